@@ -1,0 +1,355 @@
+"""Typed run configuration: YAML preset + ``--set section.field=value`` overrides, validated.
+
+Inputs:  a YAML file (configs/*.yaml) holding some of the sections below, and a list of override
+         strings ``section.field=value`` (value parsed as YAML, so ``0.7``, ``true``, ``[0.9, 0.95]``).
+Output:  a frozen-by-convention :class:`Config` tree of dataclasses; ``to_dict()`` for JSON dumps.
+State:   none.
+Failure: :class:`ConfigError` whose message names the field, the bad value and what is allowed
+         (unknown key, wrong type, out-of-range number, unknown choice). Nothing else is raised for
+         bad user input.
+
+``run_metadata()`` builds the JSON written beside every run's outputs: the resolved config, seeds,
+package versions and the git commit of the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import platform
+import subprocess
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["Config", "ConfigError", "load_config", "run_metadata", "write_run_metadata"]
+
+
+class ConfigError(ValueError):
+    """A config value a user supplied is wrong; the message says which and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 344
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    pretrained: str | None = None  # hub name or local path; overrides the architecture fields
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    autocast: str = "auto"  # auto (bf16 on CUDA, none on CPU) | bf16 | none
+
+
+@dataclass
+class DataConfig:
+    source: str = "offline"  # offline | files | hub
+    path: str | None = None  # files: file, directory or glob; hub: dataset name (e.g. allenai/c4)
+    hub_config: str | None = None  # hub dataset config name (e.g. "en")
+    hub_split: str = "train"
+    text_field: str = "text"
+    label_field: str | None = None  # per-document label for grouping; None: the source decides
+    max_documents: int | None = None  # cap on documents read (required for hub streaming)
+    tokenizer: str = "byte"  # byte | a transformers tokenizer name or path
+    seq_len: int = 128
+    batch_size: int = 16
+    eval_fraction: float = 0.1
+    eval_batches: int = 8
+    partition: str = "iid"  # iid | dirichlet | by-label
+    dirichlet_alpha: float = 0.5
+    num_shards: int = 4
+    shard_index: int | None = None  # None: derived from a stable hash of the peer id
+
+
+@dataclass
+class InnerConfig:
+    steps: int = 25  # H: inner steps per round
+    optimizer: str = "adamw"  # adamw | sgd (sgd exists for the invariant tests)
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 50
+    schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.1
+    grad_accum: int = 1
+
+
+@dataclass
+class OuterConfig:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    lr_warmup_rounds: int = 0  # outer lr ramps linearly from 0 over this many rounds
+    sync_warmup_rounds: int = 0  # first rounds run with H = 1 (synchronous) before DiLoCo
+
+
+@dataclass
+class TrainConfig:
+    outer_steps: int = 40  # rounds to run
+    eval_every: int = 1  # rounds between eval-loss measurements; 0 disables
+    checkpoint_every: int = 10  # rounds between checkpoints; 0 disables
+
+
+@dataclass
+class SwarmConfig:
+    run_id: str = "p2p-diloco"
+    target_group_size: int = 64
+    min_group_size: int = 2
+    matchmaking_time: float = 15.0  # seconds the leader waits for a group to fill
+    request_timeout: float = 5.0
+    allreduce_timeout: float = 60.0
+    next_chunk_timeout: float = 10.0
+    round_deadline: float = 180.0  # seconds for all reduce attempts of one round
+    max_reduce_attempts: int = 3
+    alone_policy: str = "local"  # local: take a local outer step | wait: retry until others come
+    join_timeout: float = 60.0  # seconds to reach an initial peer and load state
+    state_timeout: float = 60.0
+    part_size_bytes: int = 2 * 1024 * 1024
+    record_ttl: float = 120.0  # seconds a peer's DHT record stays fresh
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10  # inner steps between progress log lines (0: per round only)
+    progress_bar: bool = True  # tqdm over inner steps when stderr is a tty
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_CHOICES = {
+    "model.autocast": ("auto", "bf16", "none"),
+    "data.source": ("offline", "files", "hub"),
+    "data.partition": ("iid", "dirichlet", "by-label"),
+    "inner.optimizer": ("adamw", "sgd"),
+    "inner.schedule": ("cosine", "constant"),
+    "swarm.alone_policy": ("local", "wait"),
+}
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Cross-field and range checks; each failure names the field and what is allowed."""
+
+    def need(ok: bool, name: str, value: Any, allowed: str) -> None:
+        if not ok:
+            raise ConfigError(f"{name}={value!r} is invalid: must be {allowed}")
+
+    for name, value in _flatten(cfg.to_dict()).items():
+        if name in _CHOICES:
+            need(value in _CHOICES[name], name, value, "one of " + ", ".join(_CHOICES[name]))
+    m, d, i, o, t, s = cfg.model, cfg.data, cfg.inner, cfg.outer, cfg.train, cfg.swarm
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
+        need(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), ">= 1")
+    need(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size, "a multiple of model.num_heads")
+    need(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads, "a divisor of model.num_heads")
+    need(
+        m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"),
+        "model.device",
+        m.device,
+        "auto, cpu, cuda or cuda:N",
+    )
+    need(d.seq_len >= 2, "data.seq_len", d.seq_len, ">= 2")
+    need(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"<= model.max_seq_len ({m.max_seq_len})")
+    need(d.batch_size >= 1, "data.batch_size", d.batch_size, ">= 1")
+    need(0.0 < d.eval_fraction < 1.0, "data.eval_fraction", d.eval_fraction, "in (0, 1)")
+    need(d.eval_batches >= 1, "data.eval_batches", d.eval_batches, ">= 1")
+    need(d.dirichlet_alpha > 0, "data.dirichlet_alpha", d.dirichlet_alpha, "> 0")
+    need(d.num_shards >= 1, "data.num_shards", d.num_shards, ">= 1")
+    if d.shard_index is not None:
+        need(0 <= d.shard_index < d.num_shards, "data.shard_index", d.shard_index, f"in [0, {d.num_shards})")
+    if d.max_documents is not None:
+        need(d.max_documents >= 1, "data.max_documents", d.max_documents, ">= 1")
+    if d.source in ("files", "hub"):
+        need(bool(d.path), "data.path", d.path, f"set when data.source is {d.source!r}")
+    need(i.steps >= 1, "inner.steps", i.steps, ">= 1")
+    need(i.lr > 0, "inner.lr", i.lr, "> 0")
+    need(len(i.betas) == 2 and all(0 <= b < 1 for b in i.betas), "inner.betas", i.betas, "two numbers in [0, 1)")
+    need(i.weight_decay >= 0, "inner.weight_decay", i.weight_decay, ">= 0")
+    need(i.grad_clip >= 0, "inner.grad_clip", i.grad_clip, ">= 0 (0 disables clipping)")
+    need(i.warmup_steps >= 0, "inner.warmup_steps", i.warmup_steps, ">= 0")
+    need(0 <= i.min_lr_ratio <= 1, "inner.min_lr_ratio", i.min_lr_ratio, "in [0, 1]")
+    need(i.grad_accum >= 1, "inner.grad_accum", i.grad_accum, ">= 1")
+    need(o.lr > 0, "outer.lr", o.lr, "> 0")
+    need(0 <= o.momentum < 1, "outer.momentum", o.momentum, "in [0, 1)")
+    need(o.lr_warmup_rounds >= 0, "outer.lr_warmup_rounds", o.lr_warmup_rounds, ">= 0")
+    need(o.sync_warmup_rounds >= 0, "outer.sync_warmup_rounds", o.sync_warmup_rounds, ">= 0")
+    need(t.outer_steps >= 1, "train.outer_steps", t.outer_steps, ">= 1")
+    need(t.eval_every >= 0, "train.eval_every", t.eval_every, ">= 0")
+    need(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, ">= 0")
+    need(bool(s.run_id) and "." not in s.run_id and " " not in s.run_id, "swarm.run_id", s.run_id,
+         "a non-empty name without '.' or spaces")
+    need(s.min_group_size >= 1, "swarm.min_group_size", s.min_group_size, ">= 1")
+    need(s.target_group_size >= s.min_group_size, "swarm.target_group_size", s.target_group_size,
+         f">= swarm.min_group_size ({s.min_group_size})")
+    for name in ("matchmaking_time", "request_timeout", "allreduce_timeout", "next_chunk_timeout",
+                 "round_deadline", "join_timeout", "state_timeout", "record_ttl"):
+        need(getattr(s, name) > 0, f"swarm.{name}", getattr(s, name), "> 0 seconds")
+    need(s.request_timeout < s.matchmaking_time, "swarm.request_timeout", s.request_timeout,
+         f"< swarm.matchmaking_time ({s.matchmaking_time})")
+    need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
+    need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against the type hint ``hint``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(name, value, option)
+            except ConfigError:
+                continue
+        allowed = " or ".join("null" if o is type(None) else o.__name__ for o in options)
+        raise ConfigError(f"{name}={value!r} has the wrong type: expected {allowed}")
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{name}={value!r} has the wrong type: expected a list of {item.__name__}")
+        return [_coerce(f"{name}[{k}]", v, item) for k, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        raise ConfigError(f"{name}={value!r} has the wrong type: expected {hint.__name__}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]}: allowed keys in {prefix.rstrip('.') or 'the top level'} are "
+            + ", ".join(sorted(known))
+        )
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(f"{prefix}{key}", value, hint)
+    return cls(**kwargs)
+
+
+def _apply_override(tree: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.field=value")
+    path, raw = override.split("=", 1)
+    keys = path.strip().split(".")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({exc})") from None
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {key} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read ``path`` (YAML), apply ``overrides`` in order, build and validate the config."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist (presets live in configs/)")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    for override in overrides:
+        _apply_override(tree, override)
+    cfg = _build(Config, tree, "")
+    _check_ranges(cfg)
+    return cfg
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5,
+    ).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def run_metadata(cfg: Config, **extra: Any) -> dict[str, Any]:
+    """Everything needed to reproduce a run: config, seed, versions, git commit, plus ``extra``."""
+    versions = {}
+    for pkg in ("torch", "transformers", "datasets", "hivemind", "numpy", "p2p_diloco"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "config": cfg.to_dict(),
+        "seed": cfg.seed,
+        "versions": versions,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "git_commit": _git_commit(),
+        "argv": sys.argv,
+        **extra,
+    }
+
+
+def write_run_metadata(out_dir: str | Path, cfg: Config, **extra: Any) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "run_metadata.json"
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(run_metadata(cfg, **extra), indent=2, default=str))
+    tmp.replace(target)
+    return target
