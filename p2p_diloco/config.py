@@ -90,7 +90,6 @@ class OuterConfig:
     momentum: float = 0.9
     nesterov: bool = True
     lr_warmup_rounds: int = 0  # outer lr ramps linearly from 0 over this many rounds
-    sync_warmup_rounds: int = 0  # first rounds run with H = 1 (synchronous) before DiLoCo
 
 
 @dataclass
@@ -194,20 +193,39 @@ def _check_ranges(cfg: Config) -> None:
     need(o.lr > 0, "outer.lr", o.lr, "> 0")
     need(0 <= o.momentum < 1, "outer.momentum", o.momentum, "in [0, 1)")
     need(o.lr_warmup_rounds >= 0, "outer.lr_warmup_rounds", o.lr_warmup_rounds, ">= 0")
-    need(o.sync_warmup_rounds >= 0, "outer.sync_warmup_rounds", o.sync_warmup_rounds, ">= 0")
     need(t.outer_steps >= 1, "train.outer_steps", t.outer_steps, ">= 1")
     need(t.eval_every >= 0, "train.eval_every", t.eval_every, ">= 0")
     need(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, ">= 0")
-    need(bool(s.run_id) and "." not in s.run_id and " " not in s.run_id, "swarm.run_id", s.run_id,
-         "a non-empty name without '.' or spaces")
+    need(
+        bool(s.run_id) and "." not in s.run_id and " " not in s.run_id,
+        "swarm.run_id",
+        s.run_id,
+        "a non-empty name without '.' or spaces",
+    )
     need(s.min_group_size >= 1, "swarm.min_group_size", s.min_group_size, ">= 1")
-    need(s.target_group_size >= s.min_group_size, "swarm.target_group_size", s.target_group_size,
-         f">= swarm.min_group_size ({s.min_group_size})")
-    for name in ("matchmaking_time", "request_timeout", "allreduce_timeout", "next_chunk_timeout",
-                 "round_deadline", "join_timeout", "state_timeout", "record_ttl"):
+    need(
+        s.target_group_size >= s.min_group_size,
+        "swarm.target_group_size",
+        s.target_group_size,
+        f">= swarm.min_group_size ({s.min_group_size})",
+    )
+    for name in (
+        "matchmaking_time",
+        "request_timeout",
+        "allreduce_timeout",
+        "next_chunk_timeout",
+        "round_deadline",
+        "join_timeout",
+        "state_timeout",
+        "record_ttl",
+    ):
         need(getattr(s, name) > 0, f"swarm.{name}", getattr(s, name), "> 0 seconds")
-    need(s.request_timeout < s.matchmaking_time, "swarm.request_timeout", s.request_timeout,
-         f"< swarm.matchmaking_time ({s.matchmaking_time})")
+    need(
+        s.request_timeout < s.matchmaking_time,
+        "swarm.request_timeout",
+        s.request_timeout,
+        f"< swarm.matchmaking_time ({s.matchmaking_time})",
+    )
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
 
@@ -245,6 +263,11 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         return [_coerce(f"{name}[{k}]", v, item) for k, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):
         raise ConfigError(f"{name}={value!r} has the wrong type: expected {hint.__name__}")
     return value
@@ -320,7 +343,10 @@ def _git_commit() -> str | None:
         return None
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5,
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=5,
     ).stdout.strip()
     return out.stdout.strip() + ("-dirty" if dirty else "")
 

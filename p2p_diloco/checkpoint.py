@@ -1,0 +1,95 @@
+"""Atomic save and load of the outer state.
+
+Inputs:  an OuterState (anchor + momentum, fp32 CPU) and a JSON-able metadata dict (step, config, ...).
+Output:  DIR/outer_state.safetensors (tensors ``anchor.K`` and ``momentum.K``) and DIR/outer_state.json
+         (``step``, ``checksum``, ``num_tensors`` and the caller's metadata). ``latest_checkpoint`` finds
+         the newest ``round_NNNNNN`` directory under a root.
+State:   none.
+Failure: each file is written to a temporary name and renamed, and the directory is renamed into place
+         last, so a save killed half-way never replaces or corrupts the last good checkpoint.
+         CheckpointError (with the path and what is wrong) for a missing, partial or inconsistent one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from p2p_diloco.outer import OuterState
+
+__all__ = ["CheckpointError", "latest_checkpoint", "load_outer_state", "save_outer_state", "save_round"]
+
+TENSORS, META = "outer_state.safetensors", "outer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, partial or does not match what it claims to hold."""
+
+
+def save_outer_state(directory: str | Path, state: OuterState, metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``state`` into ``directory`` atomically (the directory appears whole or not at all)."""
+    target = Path(directory)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    half = len(state.anchor)
+    tensors = {f"anchor.{k}": t.contiguous() for k, t in enumerate(state.anchor)}
+    tensors.update({f"momentum.{k}": t.contiguous() for k, t in enumerate(state.momentum)})
+    save_file(tensors, str(tmp / TENSORS))
+    meta = {**(metadata or {}), "step": state.step, "checksum": state.checksum(), "num_tensors": half}
+    (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
+    for name in (TENSORS, META):
+        with open(tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+    if target.exists():
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(target)
+    return target
+
+
+def load_outer_state(directory: str | Path) -> tuple[OuterState, dict[str, Any]]:
+    """Read a checkpoint written by save_outer_state; verify its checksum."""
+    directory = Path(directory)
+    if not (directory / TENSORS).is_file() or not (directory / META).is_file():
+        raise CheckpointError(f"{directory} is not a complete checkpoint (needs {TENSORS} and {META})")
+    try:
+        meta = json.loads((directory / META).read_text())
+        tensors = load_file(str(directory / TENSORS))
+        n = int(meta["num_tensors"])
+        anchor = [tensors[f"anchor.{k}"] for k in range(n)]
+        momentum = [tensors[f"momentum.{k}"] for k in range(n)]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {directory} is unreadable: {exc}") from None
+    state = OuterState(anchor=anchor, momentum=momentum, step=int(meta["step"]))
+    if state.checksum() != meta.get("checksum"):
+        raise CheckpointError(f"checkpoint {directory} fails its checksum: the files do not match each other")
+    return state, meta
+
+
+def save_round(root: str | Path, state: OuterState, metadata: dict[str, Any] | None = None, keep: int = 3) -> Path:
+    """Save as ROOT/round_NNNNNN and keep only the ``keep`` newest rounds."""
+    root = Path(root)
+    path = save_outer_state(root / f"round_{state.step:06d}", state, metadata)
+    rounds = sorted(p for p in root.glob("round_*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
+    for old in rounds[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete ROOT/round_NNNNNN, or None."""
+    root = Path(root)
+    rounds = sorted(
+        p for p in root.glob("round_*") if p.is_dir() and (p / META).is_file() and not p.name.endswith((".tmp", ".old"))
+    )
+    return rounds[-1] if rounds else None

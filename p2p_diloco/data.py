@@ -1,0 +1,503 @@
+"""Documents -> eval split -> shards -> packed token batches, deterministic from (DataConfig, seed).
+
+Inputs:  a :class:`DataConfig` and the run seed (``cfg.seed``; every peer must use the same one, since the
+         eval split and the shards are derived from it).
+Sources: ``offline`` - Python's own English prose, no network: the language reference
+         (``pydoc_data.topics``) and stdlib docstrings, grouped into 7 labels (language-reference,
+         text-and-data, networking, os-and-files, concurrency, dev-tools, other). The corpus depends on the
+         Python version, so peers compare :attr:`DataPipeline.fingerprint`. ``max_documents`` keeps an
+         evenly spaced subset.
+         ``files`` - a file, directory (recursive) or glob of .txt/.jsonl/.json/.parquet read through
+         ``datasets`` (streaming); .json/.jsonl/.parquet: one document per record, text from ``text_field``,
+         label from ``label_field`` when set, else the file's stem; .txt: one document per blank-line
+         separated block, labelled with the file's stem. ``max_documents`` keeps the first N (sorted files).
+         ``hub`` - ``datasets.load_dataset(path, hub_config, split=hub_split, streaming=True)``, first
+         ``max_documents`` (required) records; label from ``label_field``, else the dataset's name.
+Contracts at each arrow:
+  load_documents      cfg -> list[Document(text: non-empty str, label: str)], in a fixed order
+  split_eval          docs -> (train, eval); a document is in eval iff sha256(seed, text) < eval_fraction,
+                      so identical texts always land on the same side and eval is never trained on
+  partition           train docs -> list[list[int]] of num_shards sorted index lists: disjoint, covering,
+                      none empty
+  train_batches       shard -> endless torch.int64 [B, T] (B=batch_size, T=seq_len), values in
+                      [0, vocab_size); each document's tokens followed by eos, documents in a per-epoch
+                      permutation from (seed, shard, epoch), one continuous stream cut into rows
+  eval_sets           -> {label: int64 [N, T], "all": int64 [M, T]}, N, M <= eval_batches * batch_size;
+                      labels whose eval text is shorter than one row are left out ("all" interleaves
+                      the labels' rows; a label that is itself named "all" is only seen there)
+State:   a DataPipeline caches per-document token ids and the eval sets; a batch iterator holds its
+         position in its shard (epoch, permutation, leftover tokens). Nothing else is mutable.
+Failure: :class:`DataError` (a ValueError) naming the problem and the fix: path not found, unknown file type,
+         missing text/label field, hub without max_documents, hub unreachable, too few documents or labels
+         for num_shards, an empty eval or train split, a shard shorter than one row, unloadable tokenizer.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import gc
+import glob
+import hashlib
+import os
+import random
+import re
+import sysconfig
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from p2p_diloco.config import DataConfig
+
+__all__ = [
+    "DataError",
+    "DataPipeline",
+    "Document",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "build_tokenizer",
+    "label_histograms",
+    "load_documents",
+    "partition",
+    "shard_for_peer",
+    "split_eval",
+]
+
+_FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_DOC_CHARS = 1500  # target document size when splitting long offline texts
+_AREAS = {  # top-level stdlib module -> label; anything unlisted is "other"
+    "text-and-data": "re sre_compile sre_constants sre_parse string stringprep textwrap difflib codecs "
+    "json csv html xml _markupbase pickle pickletools _compat_pickle copyreg shelve dbm sqlite3 configparser "
+    "tomllib plistlib netrc struct base64 quopri uu xdrlib gettext locale _strptime datetime calendar "
+    "zoneinfo decimal _pydecimal fractions numbers statistics random colorsys collections _collections_abc "
+    "heapq bisect graphlib enum dataclasses copy pprint reprlib weakref _weakrefset types operator functools "
+    "hashlib hmac secrets",
+    "networking": "email http urllib nturl2path ftplib imaplib poplib nntplib smtplib smtpd telnetlib socket "
+    "socketserver ssl xmlrpc wsgiref cgi cgitb mimetypes mailbox mailcap ipaddress uuid webbrowser asynchat "
+    "asyncore",
+    "os-and-files": "os posixpath ntpath genericpath shutil tempfile pathlib glob fnmatch fileinput filecmp "
+    "linecache stat tarfile zipfile zipimport zipapp gzip bz2 lzma _compression io _pyio platform sysconfig "
+    "site _sitebuiltins getpass pty tty shlex curses chunk imghdr sndhdr _aix_support _osx_support",
+    "concurrency": "threading _threading_local multiprocessing concurrent asyncio subprocess _bootsubprocess "
+    "sched queue signal selectors contextvars",
+    "dev-tools": "unittest doctest pdb bdb inspect traceback typing ast dis opcode token tokenize keyword "
+    "symtable timeit cProfile profile pstats trace tracemalloc pydoc importlib imp pkgutil modulefinder "
+    "runpy code codeop argparse optparse getopt logging warnings distutils ensurepip venv compileall py_compile "
+    "tabnanny pyclbr rlcompleter contextlib abc _py_abc __future__",
+}
+_AREA_OF = {mod: area for area, mods in _AREAS.items() for mod in mods.split()}
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "idlelib",
+    "lib2to3",
+    "turtledemo",
+    "pydoc_data",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "_bundled",
+    "encodings",
+}  # encodings: codec tables, no prose
+
+
+class DataError(ValueError):
+    """Bad data setup; the message names the problem and what to do about it."""
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    label: str
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0..255 plus eos = 256."""
+
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the ByteTokenizer interface (no special tokens added by encode)."""
+
+    def __init__(self, name_or_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError) as exc:
+            raise DataError(
+                f"could not load tokenizer {name_or_path!r} ({exc}); use data.tokenizer=byte or "
+                "a local directory holding a saved tokenizer"
+            ) from None
+        eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+        if eos is None:
+            raise DataError(f"tokenizer {name_or_path!r} has no eos (or sep) token to separate documents")
+        tok.model_max_length = 1 << 60  # documents are packed into rows, so long texts are fine
+        self._tok, self.vocab_size, self.eos_id = tok, len(tok), int(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def build_tokenizer(cfg: DataConfig) -> Tokenizer:
+    return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)
+
+
+def _hash_int(*parts: object) -> int:
+    """A stable 64-bit integer from ``parts`` (unlike ``hash()``, the same in every process)."""
+    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def _chunk(text: str, target: int = _DOC_CHARS) -> list[str]:
+    """Split ``text`` at blank lines (then lines) into pieces of about ``target`` to ``2 * target`` chars."""
+    pieces: list[str] = []
+    for para in re.split(r"\n\s*\n", text.strip()):
+        pieces += para.splitlines() if len(para) > 2 * target else [para]
+    out, cur = [], ""
+    for piece in pieces:
+        cur = f"{cur}\n\n{piece}" if cur else piece
+        if len(cur) >= target:
+            out.append(cur)
+            cur = ""
+    if out and len(cur) < target // 4:  # a short tail joins the previous piece
+        out[-1], cur = f"{out[-1]}\n\n{cur}", ""
+    out.append(cur)
+    return [c.strip() for c in out if c.strip()]
+
+
+def _docstrings(path: Path) -> list[str]:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return []
+    found, todo = [], [tree]
+    while todo:  # statements only (ast.walk over every expression node is 3x slower)
+        node = todo.pop()
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            found.append((getattr(node, "lineno", 0), ast.get_docstring(node) or ""))
+        for name in ("body", "orelse", "finalbody", "handlers"):
+            todo += [n for n in getattr(node, name, ()) if isinstance(n, ast.stmt | ast.excepthandler)]
+    return [doc for _, doc in sorted(found) if len(doc) > 200]
+
+
+@functools.lru_cache(maxsize=1)
+def _offline_corpus() -> tuple[Document, ...]:
+    """Language-reference topics and stdlib docstrings, chunked, deduplicated; cached per process (~1.5 s)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions split pydoc_data out; the docstrings still suffice
+        topics = {}
+    docs = [Document(c, "language-reference") for name in sorted(topics) for c in _chunk(topics[name])]
+    stdlib, gc_was_on = Path(sysconfig.get_paths()["stdlib"]), gc.isenabled()
+    gc.disable()  # big ASTs set off needless cyclic collections: this halves the build time
+    try:
+        for root, dirs, files in os.walk(stdlib):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("test"))
+            for name in sorted(f for f in files if f.endswith(".py") and not f.startswith("test")):
+                top = Path(root, name).relative_to(stdlib).parts[0].removesuffix(".py")
+                text = "\n\n".join(_docstrings(Path(root, name)))
+                docs += [Document(c, _AREA_OF.get(top, "other")) for c in _chunk(text)] if text else []
+    finally:
+        if gc_was_on:
+            gc.enable()
+    seen: set[str] = set()
+    return tuple(d for d in docs if not (d.text in seen or seen.add(d.text)))
+
+
+def _files(path: str) -> list[Path]:
+    p = Path(path).expanduser()
+    if p.is_file():
+        found = [p]
+    elif p.is_dir():
+        found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in _FILE_BUILDERS)
+        if not found:
+            raise DataError(f"directory {path!r} holds no {'/'.join(_FILE_BUILDERS)} files")
+    else:
+        matches = glob.glob(os.path.expanduser(path), recursive=True)
+        found = sorted(Path(f) for f in matches if Path(f).is_file())
+        if not found:
+            raise DataError(f"data.path {path!r} not found: give an existing file, directory or glob")
+    for f in found:
+        if f.suffix.lower() not in _FILE_BUILDERS:
+            raise DataError(
+                f"unknown file type {f.suffix or '(none)'!r} for {str(f)!r}: data.source=files "
+                f"reads {', '.join(_FILE_BUILDERS)}"
+            )
+    return found
+
+
+def _records_to_docs(
+    records: Iterable[dict[str, Any]], cfg: DataConfig, where: str, default_label: str, docs: list[Document]
+) -> None:
+    """Append one Document per record with non-empty text, stopping at cfg.max_documents."""
+    for rec in records:
+        if cfg.max_documents is not None and len(docs) >= cfg.max_documents:
+            return
+        for name in (cfg.text_field, cfg.label_field):
+            if name is not None and name not in rec:
+                raise DataError(
+                    f"no field {name!r} in {where} (fields: {', '.join(sorted(rec))}); set "
+                    f"data.{'text' if name == cfg.text_field else 'label'}_field"
+                )
+        text = rec[cfg.text_field]
+        if text is not None and not isinstance(text, str):
+            raise DataError(f"field {cfg.text_field!r} in {where} holds {type(text).__name__}, not text")
+        if text and text.strip():
+            label = default_label if cfg.label_field is None else str(rec[cfg.label_field])
+            docs.append(Document(text.strip(), label))
+
+
+def _load_files(cfg: DataConfig) -> list[Document]:
+    import datasets
+
+    docs: list[Document] = []
+    for f in _files(str(cfg.path)):
+        builder = _FILE_BUILDERS[f.suffix.lower()]
+        extra = {"sample_by": "paragraph"} if builder == "text" else {}
+        fields = dataclasses.replace(cfg, text_field="text", label_field=None) if builder == "text" else cfg
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(f), split="train", streaming=True, **extra)
+            _records_to_docs(ds, fields, f"file {str(f)!r}", f.stem, docs)
+        except DataError:
+            raise
+        except Exception as exc:  # malformed json/parquet surfaces as assorted datasets/pyarrow errors
+            raise DataError(f"could not read {str(f)!r} as {builder}: {type(exc).__name__}: {exc}") from exc
+    return docs
+
+
+def _load_hub(cfg: DataConfig) -> list[Document]:
+    import datasets
+
+    if cfg.max_documents is None:
+        raise DataError(
+            f"data.source=hub streams {cfg.path!r}, which may be huge: set data.max_documents "
+            "(e.g. data.max_documents=20000)"
+        )
+    where = f"hub dataset {cfg.path!r} (config {cfg.hub_config!r}, split {cfg.hub_split!r})"
+    docs: list[Document] = []
+    try:
+        ds = datasets.load_dataset(str(cfg.path), cfg.hub_config, split=cfg.hub_split, streaming=True)
+        _records_to_docs(ds, cfg, where, str(cfg.path).rstrip("/").split("/")[-1], docs)
+    except DataError:
+        raise
+    except Exception as exc:
+        chain = " ".join(f"{type(e).__name__} {e}" for e in (exc, exc.__cause__, exc.__context__) if e)
+        network = isinstance(exc, ConnectionError | TimeoutError) or re.search("Connect|Timeout|Offline|reach", chain)
+        problem = "could not reach the Hugging Face hub for" if network else "could not load"
+        raise DataError(
+            f"{problem} {where}: {type(exc).__name__}: {exc}. Without network use "
+            "data.source=offline, or download the data and set data.source=files and data.path "
+            "to its local path"
+        ) from exc
+    return docs
+
+
+def load_documents(cfg: DataConfig) -> list[Document]:
+    """The source's documents in a fixed order; DataError when there are none."""
+    if cfg.source == "offline":
+        docs = list(_offline_corpus())
+        if cfg.max_documents is not None and cfg.max_documents < len(docs):
+            docs = [docs[i * len(docs) // cfg.max_documents] for i in range(cfg.max_documents)]
+    elif cfg.source == "files":
+        docs = _load_files(cfg)
+    elif cfg.source == "hub":
+        docs = _load_hub(cfg)
+    else:
+        raise DataError(f"data.source={cfg.source!r} is unknown: use offline, files or hub")
+    if not docs:
+        raise DataError(f"data.source={cfg.source!r} (path {cfg.path!r}) yielded no non-empty documents")
+    return docs
+
+
+def split_eval(docs: list[Document], eval_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
+    """(train, eval): each document decided alone by a sha256 of (seed, text), order kept."""
+    train, held = [], []
+    for doc in docs:
+        (held if _hash_int("eval", seed, doc.text) < eval_fraction * 2**64 else train).append(doc)
+    return train, held
+
+
+def partition(docs: list[Document], num_shards: int, method: str, alpha: float, seed: int) -> list[list[int]]:
+    """Document indices per shard: disjoint, covering all docs, none empty, each list sorted."""
+    n = len(docs)
+    if n < num_shards:
+        raise DataError(
+            f"too few documents for the shards: {n} training documents cannot fill {num_shards} "
+            "shards (each shard would need one); lower data.num_shards or add documents"
+        )
+    by_label: dict[str, list[int]] = defaultdict(list)
+    for i, doc in enumerate(docs):
+        by_label[doc.label].append(i)
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    rng = random.Random(_hash_int(method, seed))  # Python's random: the same draws in every environment
+    if method == "iid":
+        perm = list(range(n))
+        rng.shuffle(perm)
+        for pos, i in enumerate(perm):
+            shards[pos % num_shards].append(i)
+    elif method == "dirichlet":
+        for label in sorted(by_label):
+            idx = list(by_label[label])
+            rng.shuffle(idx)
+            gam = [rng.gammavariate(alpha, 1.0) for _ in range(num_shards)]  # normalized: Dirichlet(alpha)
+            if sum(gam) == 0:  # every draw underflowed (tiny alpha): the whole label goes to one shard
+                gam[rng.randrange(num_shards)] = 1.0
+            cum = [round(sum(gam[: k + 1]) / sum(gam) * len(idx)) for k in range(num_shards)]
+            for k in range(num_shards):
+                shards[k] += idx[(cum[k - 1] if k else 0) : cum[k]]
+        while any(not s for s in shards):  # a doc from the biggest shard fills each empty one
+            biggest = max(range(num_shards), key=lambda k: len(shards[k]))
+            shards[next(k for k in range(num_shards) if not shards[k])].append(shards[biggest].pop())
+    elif method == "by-label":
+        if len(by_label) < num_shards:
+            raise DataError(
+                f"partition=by-label needs at least one label per shard: {len(by_label)} labels "
+                f"({', '.join(sorted(by_label))}) for {num_shards} shards; lower data.num_shards "
+                "or use partition=dirichlet"
+            )
+        for label in sorted(by_label, key=lambda lab: (-len(by_label[lab]), lab)):  # greedy, biggest first
+            shards[min(range(num_shards), key=lambda k: (len(shards[k]), k))] += by_label[label]
+    else:
+        raise DataError(f"data.partition={method!r} is unknown: use iid, dirichlet or by-label")
+    return [sorted(s) for s in shards]
+
+
+def shard_for_peer(peer_id: str, num_shards: int) -> int:
+    """A stable shard index in [0, num_shards) from the sha256 of the peer id."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode("utf-8")).digest()[:8], "big") % num_shards
+
+
+def label_histograms(docs: list[Document], shards: list[list[int]]) -> dict[str, dict[str, int]]:
+    """{"shard k": {label: document count}} with labels sorted."""
+    return {f"shard {k}": dict(sorted(Counter(docs[i].label for i in s).items())) for k, s in enumerate(shards)}
+
+
+class DataPipeline:
+    """Built once per process from a DataConfig + seed; deterministic.
+
+    Attributes: ``tokenizer``, ``vocab_size``, ``train_docs`` and ``eval_docs`` (the split of the loaded
+    documents), ``shards`` (indices into ``train_docs``) and ``fingerprint`` (16 hex digits over documents,
+    split and shards: peers of one run must show the same one).
+    """
+
+    def __init__(self, cfg: DataConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+        docs = load_documents(cfg)
+        self.train_docs, self.eval_docs = split_eval(docs, cfg.eval_fraction, seed)
+        if not self.train_docs or not self.eval_docs:
+            raise DataError(
+                f"the eval split left {len(self.train_docs)} training and {len(self.eval_docs)} "
+                f"eval documents of {len(docs)} (data.eval_fraction={cfg.eval_fraction}): add "
+                "documents or change data.eval_fraction"
+            )
+        self.shards = partition(self.train_docs, cfg.num_shards, cfg.partition, cfg.dirichlet_alpha, seed)
+        self.tokenizer: Tokenizer = build_tokenizer(cfg)
+        self.vocab_size: int = self.tokenizer.vocab_size
+        h = hashlib.sha256(repr((seed, [len(d) for d in (self.train_docs, self.eval_docs)], self.shards)).encode())
+        for doc in docs:
+            h.update(f"{doc.label}\x1f{doc.text}\x1e".encode())
+        self.fingerprint = h.hexdigest()[:16]  # equal on peers with the same documents, split and shards
+        self._tokens: dict[int, torch.Tensor] = {}
+        self._eval: dict[str, torch.Tensor] | None = None
+
+    def _doc_tokens(self, doc: Document) -> torch.Tensor:
+        return torch.tensor(self.tokenizer.encode(doc.text) + [self.tokenizer.eos_id], dtype=torch.int32)
+
+    def _train_tokens(self, i: int) -> torch.Tensor:
+        if i not in self._tokens:
+            self._tokens[i] = self._doc_tokens(self.train_docs[i])
+        return self._tokens[i]
+
+    def train_batches(self, shard_index: int, seed: int) -> Iterator[torch.Tensor]:
+        """Endless int64 [B, T] batches from one shard; the same (shard, seed) gives the same batches."""
+        if not 0 <= shard_index < len(self.shards):
+            raise DataError(f"shard index {shard_index} is out of range: there are {len(self.shards)} shards")
+        shard = self.shards[shard_index]
+        docs = [self._train_tokens(i) for i in shard]
+        total, rows = sum(len(t) for t in docs), self.cfg.seq_len
+        if total < rows:
+            raise DataError(
+                f"shard {shard_index} holds {total} tokens in {len(shard)} documents, fewer than "
+                f"one row of data.seq_len={rows}: lower data.seq_len or data.num_shards, or add "
+                "documents"
+            )
+        return self._batches(docs, shard_index, seed)
+
+    def _batches(self, docs: list[torch.Tensor], shard_index: int, seed: int) -> Iterator[torch.Tensor]:
+        need = self.cfg.batch_size * self.cfg.seq_len
+        pending: list[torch.Tensor] = []
+        buffered = 0
+        for epoch in count():
+            gen = torch.Generator().manual_seed(_hash_int("train", seed, shard_index, epoch) >> 1)
+            for j in torch.randperm(len(docs), generator=gen).tolist():
+                pending.append(docs[j])
+                buffered += len(docs[j])
+                if buffered >= need:  # .to(int64) copies: batches never alias the cached tokens
+                    stream = torch.cat(pending)
+                    full = len(stream) // need
+                    for b in range(full):
+                        yield stream[b * need : (b + 1) * need].view(self.cfg.batch_size, -1).to(torch.int64)
+                    pending, buffered = [stream[full * need :]], len(stream) - full * need
+
+    def _rows(self, docs: Iterable[Document], cap: int) -> torch.Tensor:
+        """Up to ``cap`` int64 rows [n, T] from ``docs`` joined with eos; tokenizes only what it needs."""
+        parts: list[torch.Tensor] = []
+        total, want = 0, cap * self.cfg.seq_len
+        for doc in docs:
+            if total >= want:
+                break
+            parts.append(self._doc_tokens(doc))
+            total += len(parts[-1])
+        n = min(cap, total // self.cfg.seq_len)
+        stream = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+        return stream[: n * self.cfg.seq_len].view(n, self.cfg.seq_len).to(torch.int64)
+
+    def eval_sets(self) -> dict[str, torch.Tensor]:
+        """{label: int64 [N, T], "all": int64 [M, T]} from the eval split; cached, do not modify."""
+        if self._eval is None:
+            cap = self.cfg.eval_batches * self.cfg.batch_size
+            by_label: dict[str, list[Document]] = defaultdict(list)
+            for doc in self.eval_docs:
+                by_label[doc.label].append(doc)
+            sets = {lab: self._rows(by_label[lab], cap) for lab in sorted(by_label)}
+            sets = {lab: rows for lab, rows in sets.items() if len(rows)}
+            if not sets:
+                raise DataError(
+                    f"no eval label has {self.cfg.seq_len} tokens ({len(self.eval_docs)} eval "
+                    "documents): raise data.eval_fraction or lower data.seq_len"
+                )
+            mixed = [rows[r] for r in range(cap) for rows in sets.values() if r < len(rows)][:cap]
+            self._eval = {**sets, "all": torch.stack(mixed)}
+        return self._eval
+
+    def histograms(self) -> dict[str, dict[str, int]]:
+        """Per-shard label histograms of the training documents, for run metadata."""
+        return label_histograms(self.train_docs, self.shards)

@@ -1,0 +1,193 @@
+"""One worker's DiLoCo round: H inner steps -> pseudo-gradient -> reduce -> outer step.
+
+Inputs:  a Config, a DataPipeline shard iterator (int64 [B, T] batches), a Reducer.
+Output:  RoundResult per round (inner stats, reduce info, eval losses, checksum of the outer state).
+State:   the worker's model θ (on its device), its inner optimizer (kept across rounds) and its copy of
+         the replicated OuterState (anchor, momentum, step; fp32 CPU).
+Failure: NonFiniteLossError (inner) or NonFiniteUpdateError (Δ or Δ̄) abandon the round: θ is reset to
+         the unchanged anchor, the outer state is not touched, and the error propagates.
+
+The seam: this module knows nothing of hivemind. A Reducer takes this worker's Δ and its weight
+(tokens processed this round) and returns the group's weighted mean Δ̄ and a ReduceInfo. The simulator
+(simulate.py) averages in process; run_peer uses the hivemind all-reduce. Same numerics on both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from p2p_diloco.config import Config
+from p2p_diloco.inner import InnerOptimizer, InnerStats
+from p2p_diloco.model import autocast, build_model, resolve_device
+from p2p_diloco.outer import OuterState, outer_lr_at, pseudo_gradient
+
+__all__ = ["ReduceInfo", "Reducer", "RoundResult", "Worker", "evaluate", "fp32_bytes_sent"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReduceInfo:
+    """What a reduce did. ``complete`` is False when Δ̄ is only this worker's own Δ (alone/failed)."""
+
+    group_size: int = 1
+    complete: bool = True
+    attempts: int = 1
+    matchmaking_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    reason: str = ""
+    gathered: dict[str, Any] = field(default_factory=dict)
+
+
+class Reducer(Protocol):
+    def reduce(self, pseudo_grads: list[torch.Tensor], weight: float) -> tuple[list[torch.Tensor], ReduceInfo]:
+        """Return the weighted mean of the group's pseudo-gradients (same shapes, fp32 CPU)."""
+        ...
+
+
+def fp32_bytes_sent(num_params: int, group_size: int) -> int:
+    """Bytes one peer sends in a butterfly all-reduce of fp32 values: 2(n-1)/n x size."""
+    if group_size <= 1:
+        return 0
+    return int(2 * (group_size - 1) / group_size * num_params * 4)
+
+
+@dataclass
+class RoundResult:
+    outer_step: int  # rounds applied after this one
+    inner: InnerStats
+    reduce: ReduceInfo
+    checksum: str
+    outer_lr: float
+    eval_loss: dict[str, float] | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The flat per-round metrics record (metrics.jsonl)."""
+        rec = {
+            "outer_step": self.outer_step,
+            "train_loss": self.inner.mean_loss,
+            "tokens": self.inner.tokens,
+            "tokens_per_second": self.inner.tokens_per_second,
+            "compute_seconds": self.inner.seconds,
+            "peak_memory_bytes": self.inner.peak_memory_bytes,
+            "group_size": self.reduce.group_size,
+            "reduce_complete": self.reduce.complete,
+            "reduce_attempts": self.reduce.attempts,
+            "matchmaking_seconds": self.reduce.matchmaking_seconds,
+            "allreduce_seconds": self.reduce.allreduce_seconds,
+            "bytes_sent": self.reduce.bytes_sent,
+            "bytes_received": self.reduce.bytes_received,
+            "outer_lr": self.outer_lr,
+            "checksum": self.checksum,
+        }
+        if self.eval_loss is not None:
+            rec["eval_loss"] = self.eval_loss.get("all")
+            rec["eval_loss_per_label"] = {k: v for k, v in self.eval_loss.items() if k != "all"}
+        return rec
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, eval_sets: dict[str, torch.Tensor], batch_size: int, cfg: Config
+) -> dict[str, float]:
+    """Mean next-token loss per eval set (label -> int64 [N, T]); the model is left in train mode."""
+    device = next(model.parameters()).device
+    model.eval()
+    out = {}
+    for label, rows in eval_sets.items():
+        total, count = 0.0, 0
+        for start in range(0, rows.shape[0], batch_size):
+            batch = rows[start : start + batch_size].to(device)
+            with autocast(device, cfg.model):
+                loss = model(input_ids=batch, labels=batch).loss
+            total += loss.item() * batch.shape[0]
+            count += batch.shape[0]
+        out[label] = total / max(count, 1)
+    model.train()
+    return out
+
+
+class Worker:
+    """A model replica, its inner optimizer and its copy of the outer state."""
+
+    def __init__(self, cfg: Config, vocab_size: int, batches: Iterator[torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.model)
+        self.model = build_model(cfg.model, vocab_size, cfg.seed)
+        self.batches = batches
+        total_steps = cfg.train.outer_steps * cfg.inner.steps
+        self.inner = InnerOptimizer(self.model, cfg.inner, total_steps)
+        self.state = OuterState.from_params(self.model.parameters())
+
+    @property
+    def num_params(self) -> int:
+        return sum(a.numel() for a in self.state.anchor)
+
+    def autocast(self):
+        return autocast(self.device, self.cfg.model)
+
+    def load_state(self, state: OuterState) -> None:
+        """Adopt an outer state received from elsewhere (join, resync, resume); θ ← its anchor."""
+        self.state = state
+        self.state.copy_to(self.model.parameters())
+
+    def train_inner(self, on_step: Callable[[int, float], None] | None = None) -> InnerStats:
+        """H inner steps from the current θ; the schedule continues at outer_step x H."""
+        h = self.cfg.inner.steps
+        try:
+            return self.inner.run(self.batches, h, self.state.step * h, self.autocast, self.device, on_step)
+        except Exception:
+            self.state.copy_to(self.model.parameters())
+            raise
+
+    def pseudo_grad(self) -> list[torch.Tensor]:
+        try:
+            return pseudo_gradient(self.state.anchor, self.model.parameters())
+        except Exception:
+            self.state.copy_to(self.model.parameters())
+            raise
+
+    def apply_outer(
+        self, avg_delta: list[torch.Tensor], lr: float | None = None, momentum: float | None = None
+    ) -> float:
+        """Outer step on the anchor with Δ̄, then θ ← anchor. Returns the outer lr used."""
+        o = self.cfg.outer
+        lr = outer_lr_at(self.state.step, o.lr, o.lr_warmup_rounds) if lr is None else lr
+        momentum = o.momentum if momentum is None else momentum
+        try:
+            self.state.apply(avg_delta, lr, momentum, o.nesterov)
+        finally:
+            self.state.copy_to(self.model.parameters())
+        return lr
+
+    def run_round(
+        self,
+        reducer: Reducer,
+        on_step: Callable[[int, float], None] | None = None,
+        eval_sets: dict[str, torch.Tensor] | None = None,
+    ) -> RoundResult:
+        """A whole round with a Reducer: the path run_peer takes."""
+        stats = self.train_inner(on_step)
+        delta = self.pseudo_grad()
+        avg, info = reducer.reduce(delta, float(stats.tokens))
+        lr = self.apply_outer(avg)
+        evals = self.maybe_evaluate(eval_sets)
+        return RoundResult(self.state.step, stats, info, self.state.checksum(), lr, evals)
+
+    def maybe_evaluate(self, eval_sets: dict[str, torch.Tensor] | None) -> dict[str, float] | None:
+        every = self.cfg.train.eval_every
+        last = self.state.step >= self.cfg.train.outer_steps
+        if eval_sets is None or every == 0 or (self.state.step % every and not last):
+            return None
+        losses = evaluate(self.model, eval_sets, self.cfg.data.batch_size, self.cfg)
+        if not all(math.isfinite(v) for v in losses.values()):
+            log.warning("eval loss is not finite: %s", losses)
+        return losses

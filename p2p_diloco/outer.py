@@ -1,0 +1,117 @@
+"""The replicated outer state and the outer step (pure torch, no network).
+
+Inputs:  the anchor (fp32 CPU tensors, one per model parameter) and a worker's params θ after H inner
+         steps (any dtype/device, same shapes).
+Output:  pseudo-gradient Δ = anchor − θ (fp32, CPU, same shapes); the Nesterov outer step applied to
+         the anchor with the averaged Δ̄ as its gradient; a checksum of the state.
+State:   OuterState = anchor, momentum buffers (fp32 CPU), step (rounds applied so far). The inner lr
+         schedule position is derived from ``step`` (step x H), so it needs no field of its own.
+         Every peer of a group must hold the identical OuterState after each round.
+Failure: NonFiniteUpdateError for a non-finite Δ or Δ̄; nothing is modified when it is raised.
+
+The outer step matches ``torch.optim.SGD(lr, momentum, nesterov=True, dampening=0)`` (single-tensor
+path, op for op): buf = m·buf + g;  g' = g + m·buf (Nesterov) or buf;  anchor -= lr·g'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "NonFiniteUpdateError",
+    "OuterState",
+    "outer_lr_at",
+    "pseudo_gradient",
+    "weighted_mean",
+]
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """A pseudo-gradient or averaged pseudo-gradient holds NaN or inf."""
+
+
+def _check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
+    for k, t in enumerate(tensors):
+        if not torch.isfinite(t).all():
+            raise NonFiniteUpdateError(f"{what} tensor {k} (shape {list(t.shape)}) holds NaN or inf; not applied")
+
+
+def pseudo_gradient(anchor: Sequence[torch.Tensor], params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Δ = anchor − θ in fp32 on CPU. Raises NonFiniteUpdateError when Δ is not finite."""
+    delta = [a - p.detach().to("cpu", torch.float32) for a, p in zip(anchor, params, strict=True)]
+    _check_finite(delta, "pseudo-gradient")
+    return delta
+
+
+def weighted_mean(tensor_lists: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    """Σ w_i·x_i / Σ w_i, per tensor position: the in-process reference for the all-reduce."""
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"weights must sum to a positive number, got {list(weights)}")
+    out = []
+    for parts in zip(*tensor_lists, strict=True):
+        acc = torch.zeros_like(parts[0])
+        for w, x in zip(weights, parts, strict=True):
+            acc.add_(x, alpha=w / total)
+        out.append(acc)
+    return out
+
+
+def outer_lr_at(step: int, lr: float, warmup_rounds: int) -> float:
+    """Outer lr of round ``step`` (0-based): linear ramp over ``warmup_rounds``, then constant."""
+    if warmup_rounds and step < warmup_rounds:
+        return lr * (step + 1) / warmup_rounds
+    return lr
+
+
+@dataclass
+class OuterState:
+    anchor: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    step: int = 0
+
+    @classmethod
+    def from_params(cls, params: Iterable[torch.Tensor]) -> OuterState:
+        anchor = [p.detach().to("cpu", torch.float32).clone() for p in params]
+        return cls(anchor=anchor, momentum=[torch.zeros_like(a) for a in anchor], step=0)
+
+    def apply(self, avg_delta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool = True) -> None:
+        """One outer SGD step on the anchor with ``avg_delta`` as the gradient; step += 1."""
+        _check_finite(avg_delta, "averaged pseudo-gradient")
+        for a, buf, g in zip(self.anchor, self.momentum, avg_delta, strict=True):
+            g = g.to(torch.float32)
+            if momentum != 0:
+                buf.mul_(momentum).add_(g)
+                g = g.add(buf, alpha=momentum) if nesterov else buf
+            a.add_(g, alpha=-lr)
+        self.step += 1
+
+    def copy_to(self, params: Iterable[torch.Tensor]) -> None:
+        """θ ← anchor (into the model's params, whatever their device and dtype)."""
+        with torch.no_grad():
+            for p, a in zip(params, self.anchor, strict=True):
+                p.copy_(a)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Anchor then momentum: the order used for state transfer and checkpoints."""
+        return [*self.anchor, *self.momentum]
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], step: int) -> OuterState:
+        if len(tensors) % 2:
+            raise ValueError(f"outer state needs anchor and momentum tensors in pairs, got {len(tensors)}")
+        half = len(tensors) // 2
+        clean = [t.detach().to("cpu", torch.float32).clone() for t in tensors]
+        return cls(anchor=clean[:half], momentum=clean[half:], step=step)
+
+    def checksum(self) -> str:
+        """sha256 over step, anchor and momentum bytes: equal on two peers iff their states are equal."""
+        h = hashlib.sha256(struct.pack("<q", self.step))
+        for t in self.tensors():
+            h.update(t.contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]

@@ -1,0 +1,214 @@
+"""run_simulation: K workers in one process, the numerical reference the swarm is checked against.
+
+Usage:
+    run_simulation --config configs/tiny.yaml --mode diloco --workers 4 --out runs/sim
+    run_simulation --config configs/tiny.yaml --mode sync --workers 4 --out runs/sync --set inner.steps=50
+
+Modes (all see the same tokens: K shards x H steps x B x T per round):
+    diloco  K workers, H inner steps each, in-process weighted mean of Δ, Nesterov outer step
+    fedavg  the same with outer SGD lr 1, momentum 0
+    sync    one model; each step averages the K shards' gradients (synchronous data-parallel)
+    single  one model; K x H steps per round, batches taken in turn from the K shards
+
+Inputs:  a config file + overrides; the data pipeline is built with data.num_shards = K.
+Output:  OUT/results.json (final_eval_loss, eval_loss_per_round, tokens_per_worker,
+         bytes_sent_per_worker (what the swarm would send, fp32 butterfly), wall_seconds, ...),
+         OUT/final_state/ (the final outer state, see checkpoint.py; sync/single: the model's params),
+         OUT/metrics.jsonl (one record per round), OUT/run_metadata.json.
+Failure: bad config or data -> one-line message and exit 2; a non-finite loss or update -> exit 3
+         with the round named; results of completed rounds stay in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2p_diloco.checkpoint import save_outer_state
+from p2p_diloco.config import Config, ConfigError, load_config, write_run_metadata
+from p2p_diloco.data import DataError, DataPipeline
+from p2p_diloco.engine import ReduceInfo, RoundResult, Worker, evaluate, fp32_bytes_sent
+from p2p_diloco.inner import InnerStats, NonFiniteLossError
+from p2p_diloco.outer import NonFiniteUpdateError, OuterState, weighted_mean
+
+__all__ = ["MODES", "simulate", "main"]
+
+MODES = ("diloco", "fedavg", "sync", "single")
+log = logging.getLogger("p2p_diloco.simulate")
+
+
+def _round_robin(iterators: list[Iterator[torch.Tensor]]) -> Iterator[torch.Tensor]:
+    while True:
+        for it in iterators:
+            yield next(it)
+
+
+class _Local:
+    """The sync and single modes: one model whose inner optimizer sees every shard."""
+
+    def __init__(self, cfg: Config, vocab_size: int, shards: list[Iterator[torch.Tensor]], mode: str) -> None:
+        k = len(shards)
+        steps_per_round = cfg.inner.steps * (k if mode == "single" else 1)
+        cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, steps=steps_per_round))
+        self.worker = Worker(cfg, vocab_size, _round_robin(shards))
+        self.shards, self.mode, self.steps = shards, mode, steps_per_round
+
+    def round(self) -> InnerStats:
+        w = self.worker
+        if self.mode == "single":
+            stats = w.train_inner()
+        else:
+            stats = InnerStats()
+            start = time.perf_counter()
+            for k in range(self.steps):
+                losses = []
+                for it in self.shards:  # the sum of K shards' gradients, then / K: the mean gradient
+                    loss, tokens = w.inner.compute_grads(it, w.autocast, w.device)
+                    losses.append(loss)
+                    stats.tokens += tokens
+                for p in w.model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(len(self.shards))
+                w.inner.apply(w.state.step * self.steps + k)
+                stats.losses.append(sum(losses) / len(losses))
+                stats.steps += 1
+            stats.seconds = time.perf_counter() - start
+        # No outer step here: the anchor mirrors θ so that checksums and comparisons see the model.
+        w.state = OuterState(OuterState.from_params(w.model.parameters()).anchor, w.state.momentum, w.state.step + 1)
+        return stats
+
+
+def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
+    """Run ``cfg.train.outer_steps`` rounds of ``mode`` with ``workers`` workers; write OUT files."""
+    if mode not in MODES:
+        raise ConfigError(f"--mode {mode!r} is invalid: must be one of {', '.join(MODES)}")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers} is invalid: must be >= 1")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_shards=workers, shard_index=None))
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    data = DataPipeline(cfg.data, cfg.seed)
+    eval_sets = data.eval_sets()
+    shards = [data.train_batches(k, cfg.seed) for k in range(workers)]
+    write_run_metadata(out, cfg, mode=mode, workers=workers, shard_histograms=data.histograms())
+
+    if mode in ("diloco", "fedavg"):
+        pool = [Worker(cfg, data.vocab_size, it) for it in shards]
+        model = pool[0].model
+    else:
+        local = _Local(cfg, data.vocab_size, shards, mode)
+        pool, model = [local.worker], local.worker.model
+    num_params = pool[0].num_params
+    outer_lr, outer_momentum = (1.0, 0.0) if mode == "fedavg" else (None, None)
+
+    initial = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
+    eval_per_round: dict[int, float] = {0: initial["all"]}
+    bytes_sent, tokens_per_worker = 0, 0
+    metrics = (out / "metrics.jsonl").open("w")
+    log.info(
+        "%s, %d workers, %d params, %d rounds; initial eval loss %.4f",
+        mode,
+        workers,
+        num_params,
+        cfg.train.outer_steps,
+        initial["all"],
+    )
+    try:
+        for r in range(1, cfg.train.outer_steps + 1):
+            if mode in ("diloco", "fedavg"):
+                stats = [w.train_inner() for w in pool]
+                deltas = [w.pseudo_grad() for w in pool]
+                avg = weighted_mean(deltas, [float(s.tokens) for s in stats])
+                lrs = [w.apply_outer(avg, outer_lr, outer_momentum) for w in pool]
+                sent = fp32_bytes_sent(num_params, workers)
+                inner, lr = _merge(stats), lrs[0]
+                tokens_per_worker += stats[0].tokens
+            else:
+                inner, lr = local.round(), 0.0
+                sent = fp32_bytes_sent(num_params, workers) * (local.steps if mode == "sync" else 0)
+                tokens_per_worker += inner.tokens // workers
+            bytes_sent += sent
+            info = ReduceInfo(group_size=workers, bytes_sent=sent, bytes_received=sent)
+            evals = pool[0].maybe_evaluate(eval_sets)
+            result = RoundResult(r, inner, info, pool[0].state.checksum(), lr, evals)
+            if evals is not None:
+                eval_per_round[r] = evals["all"]
+            metrics.write(json.dumps({"mode": mode, "tokens_per_worker": tokens_per_worker, **result.record()}) + "\n")
+            metrics.flush()
+            log.info(
+                "round %d/%d  train %.4f  eval %s  %.0f tok/s  %.1fs elapsed",
+                r,
+                cfg.train.outer_steps,
+                inner.mean_loss,
+                f"{evals['all']:.4f}" if evals else "-",
+                inner.tokens_per_second,
+                time.perf_counter() - started,
+            )
+    finally:
+        metrics.close()
+
+    final = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
+    results = {
+        "mode": mode,
+        "workers": workers,
+        "num_params": num_params,
+        "rounds": cfg.train.outer_steps,
+        "inner_steps": cfg.inner.steps,
+        "initial_eval_loss": initial["all"],
+        "final_eval_loss": final["all"],
+        "final_eval_loss_per_label": {k: v for k, v in final.items() if k != "all"},
+        "eval_loss_per_round": {str(k): v for k, v in eval_per_round.items()},
+        "tokens_per_worker": tokens_per_worker,
+        "bytes_sent_per_worker": bytes_sent,
+        "wall_seconds": time.perf_counter() - started,
+        "final_checksum": pool[0].state.checksum(),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    save_outer_state(out / "final_state", pool[0].state, {"mode": mode, "workers": workers})
+    return results
+
+
+def _merge(stats: list[InnerStats]) -> InnerStats:
+    merged = InnerStats()
+    for s in stats:
+        merged.steps += s.steps
+        merged.tokens += s.tokens
+        merged.seconds += s.seconds
+        merged.losses.extend(s.losses)
+        merged.peak_memory_bytes = max(merged.peak_memory_bytes, s.peak_memory_bytes)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="run_simulation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML preset, e.g. configs/tiny.yaml")
+    parser.add_argument("--mode", choices=MODES, default="diloco")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--out", required=True, type=Path, help="directory for results.json and metrics.jsonl")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        results = simulate(cfg, args.mode, args.workers, args.out)
+    except (ConfigError, DataError) as exc:
+        print(f"run_simulation: {exc}", file=sys.stderr)
+        return 2
+    except (NonFiniteLossError, NonFiniteUpdateError) as exc:
+        print(f"run_simulation: training diverged: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps({k: results[k] for k in ("mode", "final_eval_loss", "wall_seconds")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The engine and the simulator: invariants 1-2 of diloco-notes.md, inner state, modes that learn."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2p_diloco.checkpoint import load_outer_state
+from p2p_diloco.config import load_config
+from p2p_diloco.engine import Worker
+from p2p_diloco.inner import lr_at
+from p2p_diloco.model import build_model
+from p2p_diloco.simulate import main as simulation_main
+from p2p_diloco.simulate import simulate
+
+TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+FAST = ["data.eval_batches=1", "train.eval_every=0"]
+
+
+def _batches(seed, vocab=257, shape=(4, 32)):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(0, vocab, shape, generator=g)
+
+
+def test_one_worker_lr1_no_momentum_equals_plain_adamw():
+    """Invariant 1: R rounds of H steps with outer SGD lr 1, momentum 0 = R*H steps of plain AdamW."""
+    cfg = load_config(TINY, ["inner.steps=4", "train.outer_steps=3", "outer.lr=1", "outer.momentum=0"])
+    worker = Worker(cfg, 257, _batches(0))
+    for _ in range(3):
+        worker.train_inner()
+        worker.apply_outer(worker.pseudo_grad())
+
+    model = build_model(cfg.model, 257, cfg.seed)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.inner.lr, betas=tuple(cfg.inner.betas), weight_decay=cfg.inner.weight_decay
+    )
+    batches = _batches(0)
+    for step in range(12):
+        batch = next(batches)
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg.inner, 12)
+        opt.step()
+        opt.zero_grad()
+    diff = max((a - p.detach()).abs().max().item() for a, p in zip(worker.state.anchor, model.parameters()))
+    assert diff < 1e-5, diff
+
+
+def test_inner_adamw_state_survives_rounds():
+    cfg = load_config(TINY, ["inner.steps=3", "train.outer_steps=2"])
+    worker = Worker(cfg, 257, _batches(1))
+    worker.run_round(_SelfReducer())
+    first = next(iter(worker.inner.optimizer.state.values()))
+    assert int(first["step"]) == 3 and first["exp_avg"].abs().sum() > 0
+    saved = first["exp_avg_sq"].clone()
+    worker.run_round(_SelfReducer())
+    state = next(iter(worker.inner.optimizer.state.values()))
+    assert int(state["step"]) == 6
+    assert not torch.equal(state["exp_avg_sq"], saved)
+    # θ equals the anchor after every round
+    assert all(torch.equal(a, p.detach()) for a, p in zip(worker.state.anchor, worker.model.parameters()))
+
+
+class _SelfReducer:
+    def reduce(self, pseudo_grads, weight):
+        from p2p_diloco.engine import ReduceInfo
+
+        return pseudo_grads, ReduceInfo(group_size=1)
+
+
+def test_h1_inner_sgd_equals_synchronous_data_parallel(tmp_path):
+    """Invariant 2: H = 1, inner SGD, outer SGD lr 1 no momentum = synchronous SGD on averaged grads."""
+    sets = [
+        "inner.optimizer=sgd",
+        "inner.steps=1",
+        "inner.lr=0.05",
+        "inner.weight_decay=0",
+        "inner.grad_clip=0",
+        "inner.warmup_steps=0",
+        "inner.schedule=constant",
+        "train.outer_steps=6",
+        *FAST,
+    ]
+    cfg = load_config(TINY, sets)
+    simulate(
+        dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, lr=1.0, momentum=0.0)),
+        "diloco",
+        3,
+        tmp_path / "diloco",
+    )
+    simulate(cfg, "sync", 3, tmp_path / "sync")
+    a, _ = load_outer_state(tmp_path / "diloco" / "final_state")
+    b, _ = load_outer_state(tmp_path / "sync" / "final_state")
+    diff = max((x - y).abs().max().item() for x, y in zip(a.anchor, b.anchor))
+    assert diff < 1e-5, diff
+    moved = max((x - y).abs().max().item() for x, y in zip(a.anchor, Worker(cfg, 257, iter(())).state.anchor))
+    assert moved > 1e-3  # the comparison is not between two untrained models
+
+
+def test_diloco_lr1_momentum0_reproduces_fedavg_exactly(tmp_path):
+    sets = ["inner.steps=5", "train.outer_steps=3", *FAST]
+    simulate(load_config(TINY, [*sets, "outer.lr=1", "outer.momentum=0"]), "diloco", 2, tmp_path / "d")
+    simulate(load_config(TINY, sets), "fedavg", 2, tmp_path / "f")
+    d = json.loads((tmp_path / "d" / "results.json").read_text())
+    f = json.loads((tmp_path / "f" / "results.json").read_text())
+    assert d["final_checksum"] == f["final_checksum"]
+    assert d["final_eval_loss"] == f["final_eval_loss"]
+
+
+@pytest.mark.parametrize("mode", ["diloco", "fedavg", "sync", "single"])
+def test_every_mode_learns_on_tiny(tmp_path, mode):
+    out = tmp_path / mode
+    code = simulation_main(
+        [
+            "--config",
+            str(TINY),
+            "--mode",
+            mode,
+            "--workers",
+            "2",
+            "--out",
+            str(out),
+            "--set",
+            "inner.steps=10",
+            "--set",
+            "train.outer_steps=6",
+            "--set",
+            "train.eval_every=3",
+            "--set",
+            "inner.warmup_steps=10",
+            "--set",
+            "data.eval_batches=2",
+        ]
+    )
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["final_eval_loss"] < res["initial_eval_loss"] - 1.5, res
+    assert res["tokens_per_worker"] == 6 * 10 * 8 * 64
+    assert set(res["eval_loss_per_round"]) == {"0", "3", "6"}
+    assert res["final_eval_loss_per_label"] and res["wall_seconds"] > 0
+    expected_bytes = {"diloco": 6, "fedavg": 6, "sync": 60, "single": 0}[mode] * res["num_params"] * 4
+    assert res["bytes_sent_per_worker"] == expected_bytes  # 2(n-1)/n = 1 for n = 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["outer_step"] for r in records] == list(range(1, 7))
+    assert json.loads((out / "run_metadata.json").read_text())["shard_histograms"]
+
+
+def test_simulation_cli_reports_bad_input_without_traceback(tmp_path, capsys):
+    assert simulation_main(["--config", str(TINY), "--out", str(tmp_path), "--set", "inner.lr=-1"]) == 2
+    assert "inner.lr" in capsys.readouterr().err
+    assert simulation_main(["--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert simulation_main(["--config", str(TINY), "--out", str(tmp_path), "--workers", "0"]) == 2
