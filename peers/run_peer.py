@@ -1,0 +1,100 @@
+"""run_peer: a training peer of a p2p_diloco swarm.
+
+Usage:
+    # the first peer of a new run (prints nothing to copy: use run_bootstrap for a shareable address)
+    run_peer --new-swarm --config configs/tiny.yaml --log-dir runs/peer0
+    # a volunteer joining a run: paste the line the organiser's run_bootstrap printed
+    run_peer --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/QmXyZ... --config configs/tiny.yaml --log-dir runs/me
+    # or: export P2P_DILOCO_INITIAL_PEERS="/ip4/.../p2p/Qm..."; run_peer --config ... --log-dir ...
+
+Exit codes: 0 finished or stopped by SIGINT/SIGTERM; 2 bad input (config, data, address); 3 no initial peer
+answered; 1 anything unexpected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from p2p_diloco.config import ConfigError, load_config
+from p2p_diloco.data import DataError
+from p2p_diloco.swarm.dht import SwarmSetupError, SwarmUnreachableError, initial_peers_from_env
+from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="run_peer",
+        description="Train with a p2p_diloco swarm.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument(
+        "--initial-peers",
+        "--initial_peers",
+        dest="initial_peers",
+        nargs="*",
+        default=None,
+        metavar="MADDR",
+        help="multiaddrs of running peers (default: $P2P_DILOCO_INITIAL_PEERS)",
+    )
+    p.add_argument("--new-swarm", action="store_true", help="start a new swarm; no initial peers needed")
+    p.add_argument("--config", required=True, help="YAML preset, e.g. configs/tiny.yaml")
+    p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl, run metadata and checkpoints")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --log-dir")
+    p.add_argument("--host-maddrs", nargs="*", default=None, help="listen addresses (default /ip4/0.0.0.0/tcp/0)")
+    p.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses, when behind NAT")
+    p.add_argument("--identity-path", default=None, help="key file for a stable peer id (created if missing)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    for noisy in ("hivemind", "p2p_diloco.swarm.records"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second signal: stop now (cleanup still runs)
+        logging.getLogger("run_peer").info(
+            "%s: finishing or abandoning the current round, then exiting", signal.Signals(signum).name
+        )
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    initial = args.initial_peers if args.initial_peers is not None else initial_peers_from_env()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        opts = PeerOptions(
+            initial_peers=initial,
+            log_dir=args.log_dir,
+            new_swarm=args.new_swarm,
+            resume=args.resume,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
+            identity_path=args.identity_path,
+            stop=stop,
+        )
+        return TrainingPeer(cfg, opts).run()
+    except SwarmUnreachableError as exc:
+        print(f"run_peer: {exc}", file=sys.stderr)
+        return 3
+    except (ConfigError, DataError, SwarmSetupError) as exc:
+        print(f"run_peer: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
