@@ -115,6 +115,7 @@ class SwarmConfig:
     state_timeout: float = 60.0
     part_size_bytes: int = 2 * 1024 * 1024
     record_ttl: float = 120.0  # seconds a peer's DHT record stays fresh
+    linger_seconds: float = 10.0  # after the last round, keep serving the state to peers that still resync
 
 
 @dataclass
@@ -226,6 +227,7 @@ def _check_ranges(cfg: Config) -> None:
         s.request_timeout,
         f"< swarm.matchmaking_time ({s.matchmaking_time})",
     )
+    need(s.linger_seconds >= 0, "swarm.linger_seconds", s.linger_seconds, ">= 0 seconds")
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
 

@@ -34,7 +34,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ReduceInfo:
-    """What a reduce did. ``complete`` is False when Δ̄ is only this worker's own Δ (alone/failed)."""
+    """What a reduce did. ``complete`` is False when Δ̄ is only this worker's own Δ (alone/failed).
+
+    ``gathered`` maps each group member's peer id to its gather payload; ``reason`` says why the result is
+    local, or notes earlier failed attempts. Seconds and bytes are summed over attempts.
+    """
 
     group_size: int = 1
     complete: bool = True
@@ -88,6 +92,8 @@ class RoundResult:
             "outer_lr": self.outer_lr,
             "checksum": self.checksum,
         }
+        if self.reduce.reason:
+            rec["reduce_reason"] = self.reduce.reason
         if self.eval_loss is not None:
             rec["eval_loss"] = self.eval_loss.get("all")
             rec["eval_loss_per_label"] = {k: v for k, v in self.eval_loss.items() if k != "all"}

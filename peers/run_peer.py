@@ -22,7 +22,7 @@ from pathlib import Path
 
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.data import DataError
-from p2p_diloco.swarm.dht import SwarmSetupError, SwarmUnreachableError, initial_peers_from_env
+from p2p_diloco.swarm.dht import SwarmSetupError, SwarmUnreachableError, initial_peers_from_env, parse_initial_peers
 from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
 
 
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     initial = args.initial_peers if args.initial_peers is not None else initial_peers_from_env()
     try:
+        initial = parse_initial_peers(initial)  # fail fast, before the data and the model are built
         cfg = load_config(args.config, args.overrides)
         opts = PeerOptions(
             initial_peers=initial,

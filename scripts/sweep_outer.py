@@ -53,25 +53,43 @@ def main() -> None:
     for h in args.h:
         if args.total_steps % h:
             raise SystemExit(f"--total-steps {args.total_steps} is not a multiple of H={h}")
-        base = [*args.overrides, f"inner.steps={h}", f"train.outer_steps={args.total_steps // h}",
-                f"train.eval_every={max(1, args.total_steps // h // 4)}"]
+        base = [
+            *args.overrides,
+            f"inner.steps={h}",
+            f"train.outer_steps={args.total_steps // h}",
+            f"train.eval_every={max(1, args.total_steps // h // 4)}",
+        ]
         modes = [("fedavg", "fedavg", [])]
         if not args.skip_baselines and h == args.h[0]:
             modes += [("sync", "sync", []), ("single", "single", [])]
         for lr, momentum, warmup in points:
-            modes.append((f"diloco lr={lr:g} m={momentum:g} warmup={int(warmup)}", "diloco",
-                          [f"outer.lr={lr}", f"outer.momentum={momentum}", f"outer.lr_warmup_rounds={int(warmup)}"]))
+            modes.append(
+                (
+                    f"diloco lr={lr:g} m={momentum:g} warmup={int(warmup)}",
+                    "diloco",
+                    [f"outer.lr={lr}", f"outer.momentum={momentum}", f"outer.lr_warmup_rounds={int(warmup)}"],
+                )
+            )
         for label, mode, extra in modes:
             name = f"H{h}_{label}".replace(" ", "_").replace("=", "")
             res = _run(name, args.config, mode, base + extra, args.workers, args.out)
-            rows.append({"H": h if mode not in ("sync", "single") else "-", "run": label,
-                         "final_eval_loss": res["final_eval_loss"], "wall_seconds": res["wall_seconds"],
-                         "tokens_per_worker": res["tokens_per_worker"], "bytes_sent_per_worker": res["bytes_sent_per_worker"]})
+            rows.append(
+                {
+                    "H": h if mode not in ("sync", "single") else "-",
+                    "run": label,
+                    "final_eval_loss": res["final_eval_loss"],
+                    "wall_seconds": res["wall_seconds"],
+                    "tokens_per_worker": res["tokens_per_worker"],
+                    "bytes_sent_per_worker": res["bytes_sent_per_worker"],
+                }
+            )
             (args.out / "sweep.json").write_text(json.dumps(rows, indent=2))
     lines = ["| H | run | final eval loss | wall s | tokens/worker | MB sent/worker |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["final_eval_loss"]):
-        lines.append(f"| {r['H']} | {r['run']} | {r['final_eval_loss']:.4f} | {r['wall_seconds']:.0f} | "
-                     f"{r['tokens_per_worker']} | {r['bytes_sent_per_worker'] / 1e6:.1f} |")
+        lines.append(
+            f"| {r['H']} | {r['run']} | {r['final_eval_loss']:.4f} | {r['wall_seconds']:.0f} | "
+            f"{r['tokens_per_worker']} | {r['bytes_sent_per_worker'] / 1e6:.1f} |"
+        )
     (args.out / "sweep.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -40,7 +40,7 @@ from p2p_diloco import PROTOCOL_VERSION
 from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state, save_round
 from p2p_diloco.config import Config, write_run_metadata
 from p2p_diloco.data import DataPipeline, shard_for_peer
-from p2p_diloco.engine import ReduceInfo, RoundResult, Worker
+from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.inner import InnerStats, NonFiniteLossError
 from p2p_diloco.model import architecture_fingerprint
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
@@ -135,6 +135,8 @@ class TrainingPeer:
         self.eval_sets = self.data.eval_sets()
         self._join()
         self.averager.set_state_provider(self._share_state)
+        self.averager.state_sharing_priority = float(self.worker.state.step)
+        print(f"joined at outer step {self.worker.state.step} with checksum {self.worker.state.checksum()}", flush=True)
         write_run_metadata(
             self.log_dir,
             cfg,
@@ -216,13 +218,17 @@ class TrainingPeer:
             meta = {"outer_step": state.step, "checksum": state.checksum(), "fingerprint": self.fingerprint}
             return meta, [t.clone() for t in state.tensors()]
 
-    def _download_state(self) -> bool:
+    def _download_state(self, min_step: int = 0) -> bool:
+        """Adopt the outer state of a peer (the most advanced one sharing) if it is at ``min_step`` or later."""
         got = self.averager.load_state(self.cfg.swarm.state_timeout)
         if got is None:
             return False
         meta, tensors = got
         if meta.get("fingerprint") != self.fingerprint:
             log.warning("state offered by a peer with another fingerprint; ignored")
+            return False
+        if int(meta["outer_step"]) < min_step:
+            log.info("the state offered is at step %s, behind this peer's %d; kept ours", meta["outer_step"], min_step)
             return False
         state = OuterState.from_tensors(tensors, int(meta["outer_step"]))
         if state.checksum() != meta.get("checksum"):
@@ -271,7 +277,6 @@ class TrainingPeer:
             return None
         gather = {"step": before[0], "checksum": before[1], "tokens": stats.tokens}
         avg, info = self.averager.reduce(delta, float(stats.tokens), gather=gather)
-        info = ReduceInfo(**{k: getattr(info, k) for k in ReduceInfo.__dataclass_fields__})
         if info.complete and info.group_size > 1:
             majority = _majority(info.gathered)
             if majority is not None and majority != before:
@@ -302,6 +307,10 @@ class TrainingPeer:
         except NonFiniteUpdateError as exc:
             log.error("round %d discarded: %s", before[0] + 1, exc)
             return None
+        if not info.complete and self._others():
+            # others are training: adopt their state if they got past this round (the local step is dropped)
+            if self._download_state(min_step=w.state.step):
+                info.reason += "; resynced from a peer after the local step"
         self.averager.state_sharing_priority = float(w.state.step)
         evals = w.maybe_evaluate(self.eval_sets)
         return RoundResult(w.state.step, stats, info, w.state.checksum(), lr, evals)
@@ -368,6 +377,9 @@ class TrainingPeer:
             if self.opts.stop.is_set():
                 log.info("stop requested: leaving at outer step %d", self.worker.state.step)
             self._checkpoint()
+            if not self.opts.stop.is_set() and self.cfg.swarm.linger_seconds > 0:
+                log.info("done; serving the final state to peers for %.0fs more", self.cfg.swarm.linger_seconds)
+                self.opts.stop.wait(self.cfg.swarm.linger_seconds)
             return 0
         finally:
             self.close()

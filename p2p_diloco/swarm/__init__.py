@@ -1,0 +1,1 @@
+"""hivemind glue: DHT start/join, signed per-peer records (see dht.py, records.py)."""

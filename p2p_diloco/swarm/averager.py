@@ -1,0 +1,433 @@
+"""The pseudo-gradient all-reduce over hivemind: completeness detection, retries, state sharing.
+
+Inputs:  ``reduce(pseudo_grads, weight, gather)``: one fp32 CPU tensor per parameter (the template shapes, the
+         same on every peer), a finite weight > 0 (tokens this round), an optional small msgpack-able
+         ``gather`` payload that every member receives (put the round number in it and compare).
+Output:  ``(averaged, ReduceInfo)``: EITHER the weighted mean over a group where every member contributed
+         and received every part (``complete``; bitwise equal on all members), OR copies of the local
+         pseudo-grads (``complete`` False, ``group_size`` 1, ``reason`` says why). Never a partial mean.
+State:   hivemind's averager child process with the shared-memory buffers (overwritten by each attempt);
+         the state provider that serves late joiners (called in the host, in hivemind's fetch thread).
+Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, before any network work. Network
+         failures never raise: no group -> local result at once; incomplete or failed all-reduce -> retry on
+         freshly copied buffers while ``max_reduce_attempts`` and ``round_deadline`` allow, else local.
+
+Completeness (hivemind 1.1.12 returns success for a partly failed all-reduce). ``_aggregate_with_group``
+(averager.py:514) is overridden; it runs ``_ExactRunner`` and then every member judges its own view:
+``tensor_part_container.failed_size == 0`` (a failed reducer's slice keeps LOCAL values, partition.py:128-136)
+and its own reducer got every part of every sender, nobody banned (``sender_failed_after`` all inf,
+``num_parts_received`` full; a banned sender is silently left out of the rest of that slice, partition.py:248,
+invisible to other members). The verdicts are exchanged all-to-all by the unary RPC ``rpc_vote``: the attempt
+is complete only if every member's verdict is True; a member that is dead or silent until
+``allreduce_timeout`` counts as False. Residual risk: a member dying inside the vote (about 10 ms) after
+answering some peers only; the per-round checksum comparison of outer states is the backstop.
+``_ExactRunner`` changes two stock behaviours: reducers send the averaged part instead of
+``averaged - part`` (allreduce.py:210, :354; members added it to their own part and ended up to 1 ulp apart),
+and a sender that stalls the reducer's current part longer than ``next_chunk_timeout`` is banned (stock missed
+a sender whose stream broke while the reducer was answering it: the round hung until ``allreduce_timeout``).
+
+Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
+process (the group is assembled; a group smaller than ``target_group_size`` forms only at the leader's
+``matchmaking_time`` deadline); ``allreduce_seconds`` from there to the end of the vote. Both are summed over
+attempts. ``bytes_sent`` = ``bytes_received`` are payload ESTIMATES (fp32, no framing): a member reducing
+``m`` of ``S`` values in a group of ``n`` sends ``S - m`` values to the other reducers and its averaged slice
+to ``n - 1`` members, ``(S - m) + (n - 1) m`` (about ``2 (n - 1) / n`` of the vector), and receives as much.
+
+State sharing: ``get_current_state`` serves the provider's output without the averager's tensor lock. The stock
+one takes it, and an all-reduce holds it all round: measured (200 MB, next_chunk_timeout 2 s), a download from
+a donor that was averaging failed with TimeoutError; lock-free, it succeeded first try. Sharing starts with
+``set_state_provider``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.dht import DHT
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
+
+from p2p_diloco.engine import ReduceInfo
+
+__all__ = ["PseudoGradAverager", "ReduceInfo"]
+
+_STATE_KEY = "p2p_diloco_state"  # wraps the metadata: hivemind drops a state whose metadata is falsy ({})
+
+
+class _ExactRunner(AllReduceRunner):
+    """AllReduceRunner whose results are the averaged parts themselves (bitwise equal on every member)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.tensor_part_container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
+        try:
+            for part_index, part in enumerate(self.parts_for_local_averaging):
+                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
+                self.tensor_part_container.register_processed_part(index, part_index, averaged)
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(index)  # stock: our own slice would hang
+            raise
+
+    async def _handle_missing_senders(self) -> None:
+        """Stock: ban senders that never started. Added: ban senders stalling the current part (module doc)."""
+        await super()._handle_missing_senders()
+        reducer = self.tensor_part_reducer
+        while not reducer.finished.is_set():
+            part = reducer.current_part_index
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(reducer.finished.wait(), timeout=self.sender_timeout)
+            if reducer.current_part_index == part and not reducer.finished.is_set():
+                for sender_index, peer_id in enumerate(self.sender_peer_ids):
+                    if reducer.num_parts_received[sender_index] <= part and peer_id not in self.banned_senders:
+                        await self._ban_sender(peer_id)
+
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+        part_index, loop = 0, asyncio.get_event_loop()
+        try:
+            async for part, weight, compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
+                    part_index += 1
+                except BannedException:
+                    break  # the sender was banned in the background; stop aggregating it
+                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class PseudoGradAverager(DecentralizedAverager):
+    """DecentralizedAverager for fixed-shape fp32 pseudo-gradients; see the module docstring.
+
+    All peers must use this class (hivemind names RPC handlers after the class) and the same ``prefix``.
+    """
+
+    _rpc_handlers, _stub_type = None, None  # collect this class's own rpc_* (hivemind caches them per class)
+
+    def __init__(
+        self,
+        dht: DHT,
+        templates: Sequence[torch.Tensor],
+        prefix: str,
+        *,
+        target_group_size: int,
+        min_group_size: int,
+        matchmaking_time: float,
+        request_timeout: float,
+        allreduce_timeout: float,
+        next_chunk_timeout: float,
+        part_size_bytes: int,
+        round_deadline: float,
+        max_reduce_attempts: int,
+        start: bool = True,
+        shutdown_timeout: float = 5.0,
+    ):
+        if "." in prefix or not prefix:
+            raise ValueError(f"prefix={prefix!r} must be a non-empty string without '.'")
+        if not 0 < request_timeout < matchmaking_time:
+            raise ValueError(f"need 0 < request_timeout ({request_timeout}) < matchmaking_time ({matchmaking_time})")
+        self.shapes = [tuple(t.shape) for t in templates]
+        super().__init__(
+            [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes],
+            dht,
+            start=False,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            initial_group_bits="",
+            min_matchmaking_time=matchmaking_time,
+            request_timeout=request_timeout,
+            part_size_bytes=part_size_bytes,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            sender_timeout=next_chunk_timeout,
+            reducer_timeout=2 * next_chunk_timeout,
+            compression=NoCompression(),
+            state_compression=NoCompression(),
+            allow_state_sharing=False,
+            shutdown_timeout=shutdown_timeout,
+        )
+        self.matchmaking_time, self.request_timeout_s = matchmaking_time, request_timeout
+        self.allreduce_timeout, self.round_deadline, self.max_reduce_attempts = (
+            allreduce_timeout,
+            round_deadline,
+            max_reduce_attempts,
+        )
+        self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
+        self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
+        if start:
+            self.run_in_background(await_ready=True, timeout=60)
+
+    @classmethod
+    def from_config(
+        cls, dht: DHT, templates: Sequence[torch.Tensor], swarm: Any, prefix: str, **kw: Any
+    ) -> PseudoGradAverager:
+        """Build from a SwarmConfig-like object (same field names; ``matchmaking_time`` for the min time)."""
+        names = (
+            "target_group_size",
+            "min_group_size",
+            "matchmaking_time",
+            "request_timeout",
+            "allreduce_timeout",
+            "next_chunk_timeout",
+            "part_size_bytes",
+            "round_deadline",
+            "max_reduce_attempts",
+        )
+        return cls(dht, templates, prefix, **{name: getattr(swarm, name) for name in names}, **kw)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """Like hivemind's, minus its side effect: it leaves SIGINT ignored in the HOST process for good."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # the child inherits SIG_IGN
+        try:
+            self.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def shutdown(self) -> None:
+        """Stop the averager process; it is gone (joined, killed if it had to be) when this returns."""
+        if self.is_alive():
+            super().shutdown()
+            self.join(self.shutdown_timeout)
+        if self.is_alive():
+            self.kill()
+            self.join(self.shutdown_timeout)
+
+    # ---------------------------------------------------------------- host side: reduce
+    def _check_inputs(self, pseudo_grads: Sequence[torch.Tensor], weight: float) -> list[torch.Tensor]:
+        if not (isinstance(weight, int | float) and math.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight={weight!r} must be a finite number > 0")
+        if len(pseudo_grads) != len(self.shapes):
+            raise ValueError(f"expected {len(self.shapes)} pseudo-gradient tensors, got {len(pseudo_grads)}")
+        out = []
+        for i, (grad, shape) in enumerate(zip(pseudo_grads, self.shapes, strict=True)):
+            if tuple(grad.shape) != shape:
+                raise ValueError(f"pseudo_grads[{i}] has shape {tuple(grad.shape)}, expected {shape}")
+            grad = grad.detach().to("cpu", torch.float32)
+            if not bool(torch.isfinite(grad).all()):
+                raise ValueError(f"pseudo_grads[{i}] is not finite (NaN or inf); refusing to average it")
+            out.append(grad)
+        return out
+
+    def reduce(
+        self, pseudo_grads: Sequence[torch.Tensor], weight: float, gather: Any = None
+    ) -> tuple[list[torch.Tensor], ReduceInfo]:
+        """Weighted mean over a complete group, or the local pseudo-gradients; never a partial mean."""
+        grads = self._check_inputs(pseudo_grads, weight)
+        info = ReduceInfo(gathered={str(self.peer_id): gather})
+        start, notes = time.monotonic(), []
+        attempt_budget = self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
+        while info.attempts < self.max_reduce_attempts:
+            if info.attempts and time.monotonic() + attempt_budget > start + self.round_deadline:
+                notes.append(f"no time for attempt {info.attempts + 1} within round_deadline={self.round_deadline}s")
+                break
+            info.attempts += 1
+            averaged, why, retry = self._attempt(grads, float(weight), gather, info)
+            if averaged is not None:
+                info.complete, info.reason = True, "; ".join(notes)
+                return averaged, info
+            notes.append(f"attempt {info.attempts}: {why}")
+            if not retry:
+                break
+        info.group_size, info.complete, info.reason = 1, False, "; ".join(notes)
+        return [g.clone() for g in grads], info
+
+    def _attempt(
+        self, grads: list[torch.Tensor], weight: float, gather: Any, info: ReduceInfo
+    ) -> tuple[list[torch.Tensor] | None, str, bool]:
+        """One step on freshly copied buffers -> (averaged or None, why not, whether a retry makes sense)."""
+        if not self.is_alive():
+            return None, "the averager process is not running", False
+        with self.get_tensors() as shared:
+            for buf, grad in zip(shared, grads, strict=True):
+                buf.copy_(grad)
+        t0, control = time.monotonic(), None
+        find_timeout = self.matchmaking_time + self.request_timeout_s
+        try:
+            control = self.step(weight=weight, gather=gather, timeout=find_timeout, allow_retries=False, wait=False)
+            out = control.result(timeout=find_timeout + self.allreduce_timeout + 5.0)
+        except BaseException as e:  # hivemind may raise asyncio.CancelledError
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            began = control is not None and control.began_allreduce
+            if control is not None and not control.done():
+                control.cancel()
+            if not began:
+                info.matchmaking_seconds += time.monotonic() - t0
+                return None, f"no group formed ({type(e).__name__}: {e})", False
+            info.allreduce_seconds += time.monotonic() - t0
+            return None, f"all-reduce failed ({type(e).__name__}: {e})", True
+        info.matchmaking_seconds += out["t_group"] - t0
+        info.allreduce_seconds += time.monotonic() - out["t_group"]
+        info.bytes_sent, info.bytes_received = info.bytes_sent + out["bytes"], info.bytes_received + out["bytes"]
+        if not out["complete"]:
+            return None, f"incomplete all-reduce in a group of {out['group_size']}: {out['reason']}", True
+        with self.get_tensors() as shared:
+            averaged = [buf.clone() for buf in shared]
+        if not all(bool(torch.isfinite(t).all()) for t in averaged):
+            return None, "the group's average is not finite", False
+        info.group_size, info.gathered = out["group_size"], out["gathered"]
+        return averaged, "", False
+
+    # ---------------------------------------------------------------- averager process: all-reduce + vote
+    def _vote_state(self, group_id: bytes) -> dict[str, Any]:
+        """Per group: this peer's verdict (a future), verdicts pushed to us by others, a change event."""
+        if group_id not in self._votes:
+            loop = asyncio.get_event_loop()
+            self._votes[group_id] = dict(mine=loop.create_future(), heard={}, changed=asyncio.Event())
+            if len(self._votes) > 16:  # keep the verdicts of recent groups only
+                self._votes.popitem(last=False)
+        return self._votes[group_id]
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
+        """Run the stock butterfly, judge this member's view of it, then agree with the group (rpc_vote)."""
+        t_group, gathered, reason, verdict, sizes = time.monotonic(), {}, "", False, None
+        vote = self._vote_state(group_info.group_id)["mine"]
+        modes = [AveragingMode.NODE] * group_info.group_size
+        try:
+            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
+            modes = [AveragingMode(m) for m in mode_ids]
+            gathered = {str(p): self.serializer.loads(b) for p, b in zip(group_info.peer_ids, user_bytes, strict=True)}
+            download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
+            sizes = load_balance_peers(self.total_size, download, min_vector_size)
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                runner = _ExactRunner(
+                    p2p=self._p2p,
+                    servicer_type=type(self),
+                    prefix=self.prefix,
+                    tensors=local_tensors,
+                    group_id=group_info.group_id,
+                    ordered_peer_ids=group_info.peer_ids,
+                    peer_fractions=sizes,
+                    modes=modes,
+                    **kwargs,
+                )
+                self._running_groups[group_info.group_id].set_result(runner)
+                async for tensor, averaged in azip(as_aiter(*local_tensors), runner):
+                    tensor.copy_(averaged)
+            container, reducer = runner.tensor_part_container, runner.tensor_part_reducer
+            if container.failed_size:
+                reason = f"{container.failed_size} of {container.total_size} values lost their reducer"
+            elif runner.banned_senders or any(math.isfinite(x) for x in reducer.sender_failed_after):
+                reason = "this peer's reducer dropped a sender mid-round"
+            elif any(n != reducer.num_parts for n in reducer.num_parts_received):
+                reason = f"this peer's reducer got {reducer.num_parts_received} of {reducer.num_parts} parts"
+            else:
+                verdict = True
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+        finally:
+            if not vote.done():
+                vote.set_result(verdict)
+        against = await self._collect_votes(group_info, modes, verdict, t_group + self.allreduce_timeout - 1.0)
+        mine = sizes[group_info.peer_ids.index(self.peer_id)] if sizes is not None else 0
+        n = group_info.group_size
+        return dict(
+            complete=verdict and not against,
+            gathered=gathered,
+            group_size=n,
+            t_group=t_group,
+            reason=reason or "members without a complete result: " + ", ".join(against),
+            bytes=4 * ((self.total_size - mine) + (n - 1) * mine),
+        )
+
+    async def _collect_votes(
+        self, group_info: GroupInfo, modes: list[AveragingMode], verdict: bool, deadline: float
+    ) -> list[str]:
+        """Exchange verdicts; return the members that did not confirm a complete result (empty: agreed).
+
+        Every member pushes its verdict to every member that accepts calls (not client-mode) and gets that
+        member's verdict back; verdicts of client-mode members arrive only as their pushes.
+        """
+        state = self._vote_state(group_info.group_id)
+        request = averaging_pb2.AveragingData(group_id=group_info.group_id, weight=float(verdict))
+        others = [(p, m) for p, m in zip(group_info.peer_ids, modes, strict=True) if p != self.peer_id]
+        callable_peers = [p for p, m in others if m != AveragingMode.CLIENT]
+        clients = [str(p) for p, m in others if m == AveragingMode.CLIENT]
+
+        async def ask(peer: Any) -> bool:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            timeout = max(0.5, deadline - time.monotonic())
+            return (await stub.rpc_vote(request, timeout=timeout)).weight == 1.0
+
+        answers = await asyncio.gather(*map(ask, callable_peers), return_exceptions=True)
+        while not all(c in state["heard"] for c in clients) and time.monotonic() < deadline:
+            state["changed"].clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state["changed"].wait(), timeout=deadline - time.monotonic())
+        against = [
+            f"{str(p)[-6:]}({'no' if a is False else type(a).__name__})"
+            for p, a in zip(callable_peers, answers, strict=True)
+            if a is not True
+        ]
+        against += [f"{p[-6:]}(no)" for p, ok in state["heard"].items() if not ok]
+        against += [f"{p[-6:]}(silent)" for p in clients if p not in state["heard"]]
+        return against
+
+    async def rpc_vote(self, request: averaging_pb2.AveragingData, context: P2PContext) -> averaging_pb2.AveragingData:
+        """Record the caller's verdict; answer with ours once known (False if not known in time)."""
+        state = self._vote_state(request.group_id)
+        state["heard"][str(context.remote_id)] = request.weight == 1.0
+        state["changed"].set()
+        try:
+            verdict = await asyncio.wait_for(asyncio.shield(state["mine"]), timeout=self.allreduce_timeout)
+        except asyncio.TimeoutError:
+            verdict = False
+        return averaging_pb2.AveragingData(group_id=request.group_id, weight=float(verdict))
+
+    # ---------------------------------------------------------------- state sharing
+    def set_state_provider(self, fn: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
+        """Serve ``fn()`` -> (metadata dict, tensors) to peers calling ``load_state``; enables sharing."""
+        self._state_provider = fn
+        self.allow_state_sharing = True
+
+    def get_current_state(self) -> tuple[dict, list[torch.Tensor], None]:
+        """Called by hivemind in the host process when a peer downloads our state."""
+        if self._state_provider is None:
+            raise RuntimeError("no state provider set; this peer has no outer state to share")
+        metadata, tensors = self._state_provider()
+        return {_STATE_KEY: metadata}, [t.detach().cpu() for t in tensors], None
+
+    def load_state(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """Download (metadata, tensors) from the sharing peer with the highest priority; None if none answered.
+
+        hivemind replaces a given ``timeout`` by ``next_chunk_timeout`` per chunk (averager.py:685-686); the
+        whole download is bounded here by ``timeout``.
+        """
+        try:
+            result = self.load_state_from_peers(wait=False, timeout=timeout).result(timeout=timeout)
+        except Exception:
+            return None
+        if not result or not isinstance(result[0], dict) or _STATE_KEY not in result[0]:
+            return None
+        return result[0][_STATE_KEY], list(result[1])

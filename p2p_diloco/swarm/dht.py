@@ -1,0 +1,382 @@
+"""Start or join the hivemind DHT, with checked addresses and failures a user can act on.
+
+Inputs:  initial peers as multiaddr strings (``/ip4/1.2.3.4/tcp/31337/p2p/Qm...``), typed by a user on the
+         command line or in ``P2P_DILOCO_INITIAL_PEERS``; several per value are allowed (space/comma separated).
+Output:  a running :class:`hivemind.dht.DHT` (a forked child process that owns a ``p2pd`` daemon).
+State:   the DHT process and its p2pd child; :func:`shutdown_dht` stops both.
+Failure: :class:`SwarmSetupError` (a ``ValueError``) for bad input (malformed address, no initial peer, busy
+         port, unusable identity file); :class:`SwarmUnreachableError` when no initial peer answered within
+         ``join_timeout``. In both cases the DHT process and its p2pd are gone before the error is raised.
+
+hivemind facts this module relies on (hivemind 1.1.12):
+- p2pd connects to its bootstrap peers before it reports ready: a refused port fails in under a second with
+  ``P2PDaemonError("... failed to connect to bootstrap peers")``; a peer that connects but does not speak the
+  DHT protocol fails with ``RuntimeError("DHTNode bootstrap failed ...")`` after ``bootstrap_timeout``.
+- ``DHT.shutdown()`` falls back to SIGTERM on the DHT process; the stock DHT process then dies without stopping
+  its p2pd. The DHT subclass used here stops its own children on the way out, and the host kills what is
+  left of the process tree.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import signal
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hivemind.dht import DHT
+from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
+
+__all__ = [
+    "ENV_INITIAL_PEERS",
+    "EXAMPLE_MADDR",
+    "DEFAULT_HOST_MADDRS",
+    "SwarmSetupError",
+    "SwarmUnreachableError",
+    "parse_initial_peers",
+    "initial_peers_from_env",
+    "start_dht",
+    "shutdown_dht",
+    "visible_maddrs",
+    "order_maddrs",
+    "initial_peers_line",
+    "known_peers",
+    "wait_for_peers",
+]
+
+ENV_INITIAL_PEERS = "P2P_DILOCO_INITIAL_PEERS"
+EXAMPLE_MADDR = "/ip4/1.2.3.4/tcp/31337/p2p/QmXyZ..."
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+_FLAG_TOKENS = {"--initial-peers", "--initial_peers"}
+
+
+class SwarmSetupError(ValueError):
+    """The swarm cannot be started or joined with what the user gave; the message says what to fix."""
+
+
+class SwarmUnreachableError(SwarmSetupError):
+    """No initial peer answered within the join timeout."""
+
+
+# ----------------------------------------------------------------------------------------- addresses
+
+
+def _split(values: Iterable[str]) -> list[str]:
+    tokens: list[str] = []
+    for value in values:
+        tokens.extend(t for t in re.split(r"[\s,]+", str(value)) if t and t not in _FLAG_TOKENS)
+    return tokens
+
+
+def parse_initial_peers(values: Sequence[str]) -> list[str]:
+    """Check and normalise initial peer multiaddrs; returns plain strs (hivemind wants its own type or str).
+
+    Each value may hold several addresses separated by spaces or commas (a copy-pasted line; a leading
+    ``--initial-peers`` token is ignored). Duplicates are dropped, order is kept. Raises
+    :class:`SwarmSetupError` naming the first bad address.
+    """
+    import multiaddr  # the PyPI package: validates what a user typed
+    import multiaddr.exceptions
+
+    peers: list[str] = []
+    for token in _split(values):
+        hint = f"an initial peer looks like {EXAMPLE_MADDR} (copy the whole line a running peer printed)"
+        try:
+            parsed = multiaddr.Multiaddr(token)
+        except (multiaddr.exceptions.Error, ValueError, TypeError) as exc:
+            raise SwarmSetupError(f"malformed initial peer address {token!r}: {exc}; {hint}") from None
+        names = [p.name for p in parsed.protocols()]
+        if "p2p" not in names:
+            raise SwarmSetupError(f"initial peer address {token!r} has no /p2p/<peer id> part; {hint}")
+        if names.index("p2p") == 0:
+            raise SwarmSetupError(
+                f"initial peer address {token!r} has a peer id but no network address before it; {hint}"
+            )
+        text = str(parsed)
+        try:
+            HivemindMultiaddr(text)["p2p"]  # hivemind parses with its own copy of multiaddr
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a user input problem
+            raise SwarmSetupError(f"initial peer address {token!r} is not usable by hivemind: {exc}; {hint}") from None
+        if text not in peers:
+            peers.append(text)
+    return peers
+
+
+def initial_peers_from_env(environ: dict[str, str] | None = None) -> list[str]:
+    """Initial peers from ``$P2P_DILOCO_INITIAL_PEERS`` (space/comma separated); [] when unset or empty."""
+    env = os.environ if environ is None else environ
+    return parse_initial_peers([env.get(ENV_INITIAL_PEERS, "")])
+
+
+def _is_loopback(maddr: str) -> bool:
+    parts = maddr.split("/")
+    if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(parts[2]).is_loopback
+        except ValueError:
+            return False
+    return len(parts) > 2 and parts[1] in ("dns", "dns4", "dns6") and parts[2] == "localhost"
+
+
+def order_maddrs(maddrs: Iterable[Any]) -> list[str]:
+    """Addresses as strs, best to hand out first: public/LAN before loopback, ip4 before ip6, relays last."""
+
+    def rank(item: tuple[int, str]) -> tuple[int, int, int, int]:
+        index, maddr = item
+        return ("p2p-circuit" in maddr, _is_loopback(maddr), not maddr.startswith("/ip4/"), index)
+
+    unique = list(dict.fromkeys(str(m) for m in maddrs))
+    return [m for _, m in sorted(enumerate(unique), key=rank)]
+
+
+def initial_peers_line(maddrs: Iterable[Any]) -> str:
+    """The one line to copy to other peers: ``--initial-peers <maddr> [<maddr> ...]``.
+
+    Holds the non-loopback direct addresses when there are any (they also work from the same machine),
+    otherwise every address.
+    """
+    ordered = order_maddrs(maddrs)
+    best = [m for m in ordered if not _is_loopback(m) and "p2p-circuit" not in m] or ordered
+    return " ".join(["--initial-peers", *best])
+
+
+def visible_maddrs(dht: DHT) -> list[str]:
+    """The multiaddrs (with /p2p/<peer id>) others can use to reach ``dht``, best first."""
+    return order_maddrs(dht.get_visible_maddrs())
+
+
+# ----------------------------------------------------------------------------------------- processes
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; [] elsewhere)."""
+    children = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if len(fields) > 1 and int(fields[1]) == pid and fields[0] != b"Z":
+            children.append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for child in _child_pids(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _stop_children(grace: float = 2.0) -> None:
+    """Terminate this process's children (p2pd), then kill the ones that outlive ``grace`` seconds."""
+    children = _child_pids(os.getpid())
+    _kill(children, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while children and time.monotonic() < deadline:
+        for pid in list(children):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    children.remove(pid)
+            except ChildProcessError:
+                children.remove(pid)
+        time.sleep(0.05)
+    _kill(children, signal.SIGKILL)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+class _DHT(DHT):
+    """A hivemind DHT whose process never leaves its p2pd behind (on failure, SIGTERM or a lost parent)."""
+
+    def run(self) -> None:
+        # the fork copied the host's Python signal handlers; make SIGTERM unwind this process instead
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            super().run()
+        finally:
+            _stop_children()
+
+
+def shutdown_dht(dht: DHT, timeout: float = 5.0, graceful: bool = True) -> None:
+    """Stop ``dht`` and its p2pd; kills what is still running after ``timeout`` seconds. Idempotent.
+
+    ``graceful=False`` skips the polite request (for a DHT that never became ready and cannot answer it).
+    """
+    pid = dht.pid
+    tree = _descendants(pid) if pid is not None else []
+    if graceful:
+        try:
+            dht.shutdown_timeout = timeout
+            dht.shutdown()  # asks the node to stop; SIGTERM after shutdown_timeout
+        except (OSError, ValueError, AssertionError):
+            pass  # pipe already closed: the process is gone or going
+    elif pid is not None and dht.is_alive():
+        dht.terminate()  # _DHT.run turns SIGTERM into SystemExit and stops p2pd on the way out
+        dht.join(timeout)
+    if pid is not None and dht.is_alive():
+        dht.kill()
+        dht.join(timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in tree):
+        time.sleep(0.05)
+    _kill([p for p in tree if _alive(p)], signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------- start / join
+
+
+def _unreachable_message(initial_peers: Sequence[str], join_timeout: float, detail: str) -> str:
+    tried = "\n".join(f"    {p}" for p in initial_peers)
+    return (
+        f"no initial peer answered within {join_timeout:g} s.\n"
+        f"  tried:\n{tried}\n"
+        "  check:\n"
+        "    - the address was copied whole, including the /p2p/<peer id> part;\n"
+        "    - that peer's TCP port is open on its machine and in every firewall between you;\n"
+        "    - if that peer is behind NAT, it must run with --announce-maddrs /ip4/<public IP>/tcp/<port>\n"
+        "      (and a forwarded port);\n"
+        "    - the bootstrap node (or the peer you copied the address from) is still running.\n"
+        f"  (hivemind said: {detail})"
+    )
+
+
+def start_dht(
+    initial_peers: Sequence[str],
+    *,
+    host_maddrs: Sequence[str] | None = None,
+    announce_maddrs: Sequence[str] | None = None,
+    identity_path: str | None = None,
+    client_mode: bool = False,
+    join_timeout: float,
+    record_validators: Iterable[Any] = (),
+    new_swarm: bool = False,
+    **dht_kwargs: Any,
+) -> DHT:
+    """Start a DHT node and join the swarm through ``initial_peers`` (or start a new swarm).
+
+    ``host_maddrs`` default to ``/ip4/0.0.0.0/tcp/0`` (all interfaces, any port). ``join_timeout`` bounds
+    the p2pd startup and the bootstrap pings (each); the whole call returns or raises within about
+    ``2 * join_timeout + 5`` seconds. ``dht_kwargs`` go to :class:`hivemind.dht.DHT` (and on to DHTNode/P2P).
+    """
+    if join_timeout <= 0:
+        raise SwarmSetupError(f"join_timeout={join_timeout!r} must be > 0 seconds")
+    peers = parse_initial_peers(initial_peers)
+    if not peers and not new_swarm:
+        raise SwarmSetupError(
+            f"no initial peers given: pass --initial-peers {EXAMPLE_MADDR} (the line a running peer or "
+            f"bootstrap node printed) or set ${ENV_INITIAL_PEERS}"
+        )
+    host = list(host_maddrs) if host_maddrs else list(DEFAULT_HOST_MADDRS)
+    announce = list(announce_maddrs) if announce_maddrs else None
+    for label, addrs in (("--host-maddrs", host), ("--announce-maddrs", announce or [])):
+        for addr in addrs:
+            try:
+                HivemindMultiaddr(str(addr))
+            except Exception as exc:  # noqa: BLE001
+                raise SwarmSetupError(
+                    f"malformed {label} address {addr!r}: {exc}; it looks like /ip4/0.0.0.0/tcp/31337"
+                ) from None
+    if identity_path is not None:
+        directory = os.path.dirname(os.path.abspath(identity_path))
+        if not os.path.isdir(directory):
+            raise SwarmSetupError(f"identity file {identity_path!r}: directory {directory!r} does not exist")
+
+    dht = _DHT(
+        initial_peers=peers,
+        start=True,
+        await_ready=False,
+        host_maddrs=host,
+        announce_maddrs=announce,
+        identity_path=identity_path,
+        client_mode=client_mode,
+        record_validators=list(record_validators),
+        ensure_bootstrap_success=True,
+        bootstrap_timeout=join_timeout,
+        startup_timeout=join_timeout,
+        **dht_kwargs,
+    )
+    try:
+        dht.wait_until_ready(timeout=2 * join_timeout + 5)
+    except BaseException as exc:
+        shutdown_dht(dht, timeout=3.0, graceful=False)
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt / SystemExit: cleaned up, pass it on
+        text = f"{type(exc).__name__}: {exc}".strip()
+        unreachable = "failed to connect to bootstrap peers" in text or "bootstrap failed" in text
+        timed_out = isinstance(exc, TimeoutError) or "failed to start in" in text
+        if peers and (unreachable or timed_out):
+            raise SwarmUnreachableError(_unreachable_message(peers, join_timeout, text)) from None
+        if "already taken by another peer" in text:
+            raise SwarmSetupError(
+                f"identity file {identity_path!r} is already in use by a running peer (another process started "
+                "with the same --identity-path?); give each node its own key file"
+            ) from None
+        if "address already in use" in text.lower():
+            raise SwarmSetupError(f"cannot listen on {' '.join(host)}: the port is already in use ({text})") from None
+        raise SwarmSetupError(f"could not start the DHT node: {text}") from None
+    return dht
+
+
+# ----------------------------------------------------------------------------------------- peers
+
+
+async def _known_peers(_dht: DHT, node: Any) -> list[str]:
+    return [str(p) for p in node.protocol.routing_table.peer_id_to_uid]
+
+
+async def _refresh(_dht: DHT, node: Any) -> None:
+    await node.find_nearest_nodes([node.node_id])
+
+
+def known_peers(dht: DHT) -> list[str]:
+    """Peer ids (base58 strs) in this node's routing table."""
+    return dht.run_coroutine(_known_peers)
+
+
+def wait_for_peers(dht: DHT, n: int, timeout: float, poll: float = 0.2) -> list[str]:
+    """Wait until ``dht`` knows at least ``n`` other peers; returns their ids, raises TimeoutError.
+
+    Peers started at the same moment can form separate DHTs (hivemind issue 624); each poll also runs a
+    lookup of this node's own id, which pulls in peers that the initial peers know.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        peers = known_peers(dht)
+        if len(peers) >= n:
+            return peers
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"this DHT node knows {len(peers)} other peers after {timeout:g} s; wanted {n}")
+        dht.run_coroutine(_refresh)
+        time.sleep(poll)

@@ -1,0 +1,115 @@
+"""A PseudoGradAverager peer as its own process, driven line by line (used by tests/test_averager.py).
+
+Run: ``python tests/averager_worker.py '<json config>'``. Config keys: ``initial_peers`` (list of maddrs),
+``prefix``, ``shapes`` (list of shapes), ``seed`` (pseudo-grads = make_grads(seed, shapes)), ``averager``
+(PseudoGradAverager keyword arguments), optional ``kill_after_parts`` (SIGKILL this peer's whole process
+group from inside the all-reduce once that many parts went to one reducer), optional ``state_meta`` (serve
+it with make_grads(seed + 1000, shapes) as the outer state), ``out_dir``.
+
+stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
+``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
+``LOAD <timeout>`` -> ``LOADED {json}`` (state saved to out_dir/state.pt); ``EXIT`` -> ``BYE {json}``.
+The kill hook prints ``DYING {json}`` just before the kill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+
+def make_grads(seed: int, shapes: list[list[int]]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen, dtype=torch.float32) for shape in shapes]
+
+
+def emit(tag: str, payload: dict) -> None:
+    print(f"{tag} {json.dumps(payload)}", flush=True)
+
+
+def install_kill_hook(after_parts: int) -> None:
+    """Patch the class before the averager process forks, so the hook runs inside the all-reduce."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+
+    original = AllReduceRunner._generate_input_for_peer
+
+    async def generate(self, peer_index):  # type: ignore[no-untyped-def]
+        sent = 0
+        async for message in original(self, peer_index):
+            yield message
+            sent += 1  # resumed: the previous message was taken by the sender
+            if sent >= after_parts:
+                emit("DYING", {"t": time.time(), "parts_sent": sent})
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    AllReduceRunner._generate_input_for_peer = generate
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    from hivemind.dht import DHT
+
+    from p2p_diloco.swarm.averager import PseudoGradAverager
+
+    if cfg.get("kill_after_parts"):
+        install_kill_hook(int(cfg["kill_after_parts"]))
+    shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]
+    dht = DHT(initial_peers=cfg.get("initial_peers") or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    grads = make_grads(seed, shapes)
+    averager = PseudoGradAverager(dht, grads, cfg["prefix"], **cfg["averager"])
+    steps = []
+    original_step = averager.step
+
+    def counting_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        steps.append(time.monotonic())
+        return original_step(*args, **kwargs)
+
+    averager.step = counting_step
+    if cfg.get("state_meta") is not None:
+        state = make_grads(seed + 1000, shapes)
+        averager.set_state_provider(lambda: (cfg["state_meta"], state))
+    emit("READY", {"maddrs": [str(m) for m in dht.get_visible_maddrs()], "peer_id": str(dht.peer_id)})
+
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "REDUCE":
+            t0 = time.monotonic()
+            averaged, info = averager.reduce(grads, float(args[0]), gather={"seed": seed})
+            seconds = time.monotonic() - t0
+            torch.save(averaged, os.path.join(out_dir, "result.pt"))
+            emit("RESULT", {"info": dataclasses.asdict(info), "seconds": seconds, "peer_id": str(dht.peer_id)})
+        elif cmd == "NAN":
+            bad = [g.clone() for g in grads]
+            bad[-1].view(-1)[0] = float("nan")
+            t0, error = time.monotonic(), None
+            try:
+                averager.reduce(bad, 1.0)
+            except ValueError as e:
+                error = str(e)
+            emit("NAN", {"error": error, "seconds": time.monotonic() - t0, "step_calls": len(steps)})
+        elif cmd == "LOAD":
+            t0, deadline, tries, loaded = time.monotonic(), time.monotonic() + 3 * float(args[0]), 0, None
+            while loaded is None and time.monotonic() < deadline:  # the donor's DHT declaration may lag
+                tries += 1
+                loaded = averager.load_state(timeout=float(args[0]))
+            if loaded is not None:
+                torch.save(loaded[1], os.path.join(out_dir, "state.pt"))
+            meta = loaded[0] if loaded is not None else None
+            emit("LOADED", {"metadata": meta, "tries": tries, "seconds": time.monotonic() - t0})
+        elif cmd == "EXIT":
+            break
+    averager.shutdown()
+    alive = averager.is_alive()
+    dht.shutdown()
+    emit("BYE", {"averager_alive": alive})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""PseudoGradAverager across real peer processes on 127.0.0.1 (each peer: tests/averager_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from averager_worker import make_grads
+
+WORKER = Path(__file__).with_name("averager_worker.py")
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = [[40, 50], [3000], [7, 11, 13]]  # 6001 floats in 3 tensors of different shapes
+FAST = dict(
+    target_group_size=3,
+    min_group_size=2,
+    matchmaking_time=4.0,
+    request_timeout=1.0,
+    allreduce_timeout=20.0,
+    next_chunk_timeout=3.0,
+    part_size_bytes=64 * 1024,
+    round_deadline=60.0,
+    max_reduce_attempts=3,
+)
+
+
+class Worker:
+    """One peer process; stdout lines are read by a thread into a queue, read back with a timeout."""
+
+    def __init__(self, name: str, cfg: dict, tmp: Path):
+        self.name, self.out_dir = name, tmp / name
+        self.out_dir.mkdir()
+        self.stderr_path = tmp / f"{name}.stderr"
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps({**cfg, "out_dir": str(self.out_dir)})],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=REPO,
+                start_new_session=True,
+            )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def expect(self, tag: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                tail = self.stderr_path.read_text()[-3000:]
+                raise AssertionError(f"{self.name}: no {tag} line within {timeout}s; stderr tail:\n{tail}")
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1 :])
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, name: str = "result.pt") -> list[torch.Tensor]:
+        return torch.load(self.out_dir / name)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the peer's whole group: DHT child, p2pd, averager
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    workers: list[Worker] = []
+
+    def start(name: str, **cfg) -> Worker:
+        cfg = {"prefix": "grads", "shapes": SHAPES, "seed": len(workers), "averager": FAST, **cfg}
+        workers.append(Worker(name, cfg, tmp_path))
+        return workers[-1]
+
+    yield start
+    for worker in workers:
+        worker.kill()
+
+
+def start_swarm(spawn, n: int, per_peer: dict[int, dict] | None = None, **cfg) -> list[Worker]:
+    """Start p0, then the others with p0 as initial peer (peers started at once can form separate DHTs)."""
+    per_peer = per_peer or {}
+    first = spawn("p0", initial_peers=[], **cfg, **per_peer.get(0, {}))
+    maddrs = first.expect("READY", 60)["maddrs"]
+    rest = [spawn(f"p{i}", initial_peers=maddrs, **cfg, **per_peer.get(i, {})) for i in range(1, n)]
+    for worker in rest:
+        worker.expect("READY", 60)
+    return [first, *rest]
+
+
+def weighted_mean(seeds: list[int], weights: list[float], shapes=SHAPES) -> list[torch.Tensor]:
+    grads = [make_grads(seed, shapes) for seed in seeds]
+    total = sum(weights)
+    return [
+        sum(w * g[i].double() for w, g in zip(weights, grads, strict=True)).float() / total for i in range(len(shapes))
+    ]
+
+
+def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], atol: float = 1e-6) -> None:
+    assert [a.shape for a in actual] == [e.shape for e in expected]
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.allclose(a, e, atol=atol, rtol=0), float((a - e).abs().max())
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_three_peers_get_the_weighted_mean(spawn):
+    peers = start_swarm(spawn, 3)
+    weights = [1.0, 2.0, 5.0]
+    for peer, weight in zip(peers, weights, strict=True):
+        peer.send(f"REDUCE {weight}")
+    results = [peer.expect("RESULT", 40) for peer in peers]
+    expected = weighted_mean([0, 1, 2], weights)
+    for peer, res in zip(peers, results, strict=True):
+        info = res["info"]
+        assert info["complete"] and info["group_size"] == 3 and info["attempts"] == 1, info
+        assert sorted(p["seed"] for p in info["gathered"].values()) == [0, 1, 2]
+        assert info["bytes_sent"] > 0 and info["matchmaking_seconds"] >= 0 and info["allreduce_seconds"] > 0
+        assert_close(peer.result(), expected)
+    first = peers[0].result()
+    for peer in peers[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, peer.result(), strict=True))
+    for peer in peers:
+        peer.send("EXIT")
+    assert all(peer.expect("BYE", 20)["averager_alive"] is False for peer in peers)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_peer_killed_mid_allreduce_never_yields_a_partial_mean(spawn):
+    shapes = [[300, 500], [60000], [40, 1000]]  # 250k floats; 8 KiB parts: about 40 parts per reducer
+    averager = {**FAST, "part_size_bytes": 8 * 1024, "matchmaking_time": 3.0, "next_chunk_timeout": 2.0}
+    peers = start_swarm(spawn, 3, per_peer={2: {"kill_after_parts": 3}}, shapes=shapes, averager=averager)
+    weights = [1.0, 3.0, 2.0]
+    for peer, weight in zip(peers, weights, strict=True):
+        peer.send(f"REDUCE {weight}")
+    dying = peers[2].expect("DYING", 40)
+    survivors = peers[:2]
+    results = [peer.expect("RESULT", 90) for peer in survivors]
+    infos = [res["info"] for res in results]
+    print("kill test:", json.dumps({"dying_at": dying["t"], "results": results}, indent=1))
+    assert infos[0]["complete"] == infos[1]["complete"], infos  # never a mix
+    survivors_mean = weighted_mean([0, 1], weights[:2], shapes)
+    for seed, peer, info in zip([0, 1], survivors, infos, strict=True):
+        if info["complete"]:
+            assert info["group_size"] == 2 and info["attempts"] >= 2, info
+            assert_close(peer.result(), survivors_mean)
+        else:
+            assert info["group_size"] == 1 and info["reason"], info
+            assert all(torch.equal(a, b) for a, b in zip(peer.result(), make_grads(seed, shapes), strict=True))
+
+
+@pytest.fixture
+def lone_peer(spawn):
+    averager = {**FAST, "target_group_size": 4, "min_group_size": 2, "matchmaking_time": 2.0}
+    peer = spawn("alone", initial_peers=[], averager=averager, seed=7)
+    peer.expect("READY", 60)
+    return peer, averager
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(60)
+def test_non_finite_input_raises_before_any_network_work(lone_peer):
+    peer, _ = lone_peer
+    peer.send("NAN")
+    res = peer.expect("NAN", 20)
+    assert res["error"] and "not finite" in res["error"], res
+    assert res["step_calls"] == 0 and res["seconds"] < 0.5, res
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(60)
+def test_alone_peer_returns_local_values_quickly(lone_peer):
+    peer, averager = lone_peer
+    peer.send("REDUCE 1.0")
+    res = peer.expect("RESULT", 30)
+    info = res["info"]
+    assert not info["complete"] and info["group_size"] == 1 and info["attempts"] == 1, info
+    assert "no group" in info["reason"], info
+    assert res["seconds"] < averager["matchmaking_time"] + averager["request_timeout"] + 1.0, res
+    assert all(torch.equal(a, b) for a, b in zip(peer.result(), make_grads(7, SHAPES), strict=True))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_late_joiner_loads_the_donor_state_exactly(spawn):
+    meta = {"outer_step": 17, "checksum": "ab12cd34", "lr": 0.7}
+    donor, joiner = start_swarm(spawn, 2, per_peer={0: {"state_meta": meta}})
+    joiner.send("LOAD 5")
+    res = joiner.expect("LOADED", 60)
+    assert res["metadata"] == meta, res
+    loaded = joiner.result("state.pt")
+    expected = make_grads(0 + 1000, SHAPES)  # the donor (seed 0) serves make_grads(seed + 1000)
+    assert all(torch.equal(a, b) for a, b in zip(loaded, expected, strict=True))
+    print("state load:", res)

@@ -1,0 +1,202 @@
+"""run_bootstrap and p2p_diloco.swarm.dht: address parsing, joining through a bootstrap process, identity,
+clean shutdown on SIGTERM, and clear errors (no traceback, bounded time) for bad or unreachable peers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+from swarm_helpers import bootstrap_args, live_descendants, live_group_members, wait_until
+
+from p2p_diloco.swarm.dht import (
+    EXAMPLE_MADDR,
+    SwarmSetupError,
+    SwarmUnreachableError,
+    initial_peers_from_env,
+    initial_peers_line,
+    order_maddrs,
+    parse_initial_peers,
+    shutdown_dht,
+    start_dht,
+    visible_maddrs,
+)
+from peers.run_bootstrap import build_parser, main
+
+PEER_ID = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"  # a well-formed id that nobody here owns
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+LINE = r"^--initial-peers (\S+( \S+)*)$"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def new_children(before: set[int]) -> list[tuple[int, str]]:
+    """Live descendants of this process not in ``before``; torch's shared-memory manager is expected."""
+    return [p for p in live_descendants(os.getpid()) if p[0] not in before and not p[1].startswith("torch_shm")]
+
+
+def env_without_peers() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("P2P_DILOCO_INITIAL_PEERS", None)
+    return env
+
+
+# ------------------------------------------------------------------------------------------- unit
+
+
+@pytest.mark.timeout(10)
+def test_parse_initial_peers_accepts_pasted_lines():
+    a = f"/ip4/10.0.0.1/tcp/31337/p2p/{PEER_ID}"
+    b = f"/ip4/127.0.0.1/tcp/31338/p2p/{PEER_ID}"
+    assert parse_initial_peers([a]) == [a]
+    assert parse_initial_peers([f"--initial-peers {a}  {b}", f"{b},{a}"]) == [a, b]
+    assert parse_initial_peers(["", "  "]) == []
+    assert initial_peers_from_env({"P2P_DILOCO_INITIAL_PEERS": f"{a}, {b}"}) == [a, b]
+    assert initial_peers_from_env({}) == []
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ("1.2.3.4:31337", "malformed"),
+        ("/ip4/1.2.3.4/tcp/31337", "/p2p/"),
+        (f"/ip4/1.2.3.999/tcp/31337/p2p/{PEER_ID}", "malformed"),
+        ("/ip4/1.2.3.4/tcp/31337/p2p/Qmnotanid", "malformed"),
+        (f"/p2p/{PEER_ID}", "no network address"),
+    ],
+)
+def test_parse_initial_peers_names_the_bad_address(bad, words):
+    with pytest.raises(SwarmSetupError) as info:
+        parse_initial_peers([f"/ip4/10.0.0.1/tcp/1/p2p/{PEER_ID}", bad])
+    message = str(info.value)
+    assert bad in message and words in message and EXAMPLE_MADDR in message
+
+
+@pytest.mark.timeout(10)
+def test_copy_paste_line_prefers_reachable_addresses():
+    lo, lan = f"/ip4/127.0.0.1/tcp/5/p2p/{PEER_ID}", f"/ip4/192.168.1.2/tcp/5/p2p/{PEER_ID}"
+    ip6 = f"/ip6/::1/tcp/5/p2p/{PEER_ID}"
+    assert order_maddrs([ip6, lo, lan]) == [lan, lo, ip6]
+    assert initial_peers_line([lo, lan]) == f"--initial-peers {lan}"
+    assert initial_peers_line([lo]) == f"--initial-peers {lo}"
+
+
+@pytest.mark.timeout(10)
+def test_cli_flags(capsys):
+    assert build_parser().parse_args(["--initial_peers", "a", "b"]).initial_peers == ["a", "b"]
+    assert build_parser().parse_args([]).initial_peers is None  # absent: env, else a new swarm
+    assert main(["--port", "31337", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]) == 1
+    assert "not both" in capsys.readouterr().err
+    assert main(["--port", "70000"]) == 1
+    assert "not a TCP port" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_empty_initial_peers_refused_unless_new_swarm():
+    with pytest.raises(SwarmSetupError, match="no initial peers"):
+        start_dht([], host_maddrs=LOCAL, join_timeout=5)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(30)
+def test_start_dht_unreachable_leaves_no_process():
+    before = {pid for pid, _ in live_descendants(os.getpid())}
+    addr = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{PEER_ID}"
+    t0 = time.monotonic()
+    with pytest.raises(SwarmUnreachableError) as info:
+        start_dht([addr], host_maddrs=LOCAL, join_timeout=5)
+    assert time.monotonic() - t0 < 5 * 2 + 5
+    message = str(info.value)
+    for words in ("no initial peer answered within 5 s", addr, "/p2p/", "firewall", "--announce-maddrs"):
+        assert words in message
+    assert wait_until(lambda: not new_children(before), 5), new_children(before)
+
+
+# ------------------------------------------------------------------------------------------- processes
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(60)
+def test_bootstrap_serves_peers_and_stops_on_sigterm(spawn):
+    boot = spawn(
+        bootstrap_args("--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--join-timeout", "10"), env=env_without_peers()
+    )
+    line = boot.wait_for_line(LINE, timeout=40).group(0)
+    maddrs = parse_initial_peers([line])
+    assert maddrs and all(m.startswith("/ip4/127.0.0.1/tcp/") for m in maddrs)
+    assert boot.wait_for_line(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", timeout=5).group(0) in maddrs
+    assert any(name == "p2pd" for _, name in live_group_members(boot.pgid))
+
+    a = start_dht(maddrs, host_maddrs=LOCAL, join_timeout=10)
+    b = None
+    try:
+        b = start_dht(maddrs, host_maddrs=LOCAL, join_timeout=10)
+        assert visible_maddrs(a)[0].startswith("/ip4/127.0.0.1/")
+        assert a.store("greeting", "hello", expiration_time=time.time() + 60)
+        found = b.get("greeting", latest=True)
+        assert found is not None and found.value == "hello"
+    finally:
+        for dht in (b, a):
+            if dht is not None:
+                shutdown_dht(dht)
+
+    t0 = time.monotonic()
+    os.kill(boot.pid, signal.SIGTERM)
+    assert boot.wait(timeout=15) == 0, boot.describe()
+    assert time.monotonic() - t0 < 10
+    assert wait_until(lambda: not live_group_members(boot.pgid), 5), live_group_members(boot.pgid)
+    assert "Traceback" not in boot.stderr, boot.stderr
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(60)
+def test_identity_path_keeps_the_peer_id(spawn, tmp_path):
+    key = tmp_path / "bootstrap.key"
+    ids = []
+    for _ in range(2):
+        boot = spawn(
+            bootstrap_args("--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path", str(key)),
+            env=env_without_peers(),
+        )
+        line = boot.wait_for_line(LINE, timeout=40).group(0)
+        ids.append({m.rsplit("/", 1)[-1] for m in parse_initial_peers([line])})
+        os.kill(boot.pid, signal.SIGTERM)
+        assert boot.wait(timeout=15) == 0, boot.describe()
+        assert wait_until(lambda b=boot: not live_group_members(b.pgid), 5)
+    assert key.is_file()
+    assert len(ids[0]) == 1 and ids[0] == ids[1]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize(
+    "peers, words",
+    [
+        (["1.2.3.4:31337"], "malformed initial peer address '1.2.3.4:31337'"),
+        (["/ip4/127.0.0.1/tcp/31337"], "no /p2p/<peer id> part"),
+        ([""], "without any address"),
+        (["UNREACHABLE"], "no initial peer answered within 5 s"),
+    ],
+    ids=["malformed", "no-peer-id", "empty", "unreachable"],
+)
+def test_bad_initial_peers_fail_cleanly(spawn, peers, words):
+    peers = [f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{PEER_ID}" if p == "UNREACHABLE" else p for p in peers]
+    t0 = time.monotonic()
+    boot = spawn(
+        bootstrap_args("--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--join-timeout", "5", "--initial-peers", *peers),
+        env=env_without_peers(),
+    )
+    rc = boot.wait(timeout=30)
+    assert rc != 0, boot.describe()
+    assert time.monotonic() - t0 < 30
+    assert words in boot.stderr, boot.describe()
+    assert "Traceback" not in boot.stderr, boot.describe()
+    assert not boot.stdout_lines, boot.describe()
+    assert wait_until(lambda: not live_group_members(boot.pgid), 5), live_group_members(boot.pgid)

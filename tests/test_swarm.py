@@ -1,0 +1,251 @@
+"""The swarm end to end: bootstrap + run_peer processes on 127.0.0.1, checked through their own outputs.
+
+Every test starts real processes (own session each), reads their stdout with deadlines and SIGKILLs every
+process group it started at teardown (the ``spawn`` fixture in conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state
+from p2p_diloco.config import load_config
+from p2p_diloco.simulate import simulate
+
+pytestmark = pytest.mark.swarm
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+LOCAL = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+FAST = [
+    "inner.steps=5",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "data.eval_batches=1",
+    "logging.progress_bar=false",
+    "swarm.matchmaking_time=6",
+    "swarm.request_timeout=2",
+    "swarm.allreduce_timeout=15",
+    "swarm.next_chunk_timeout=5",
+    "swarm.round_deadline=40",
+    "swarm.join_timeout=30",
+    "swarm.state_timeout=15",
+]
+
+
+def _sets(*overrides: str) -> list[str]:
+    out = []
+    for o in (*FAST, *overrides):
+        out += ["--set", o]
+    return out
+
+
+def start_bootstrap(spawn):
+    boot = spawn([sys.executable, "-m", "peers.run_bootstrap", *LOCAL])
+    line = boot.wait_for_line(r"^--initial-peers ", timeout=60).string
+    return boot, line.split()[1:]
+
+
+def start_peer(spawn, initial: list[str], log_dir: Path, *overrides: str, prefix: list[str] | None = None):
+    args = [
+        *(prefix or [sys.executable, "-m", "peers.run_peer"]),
+        "--config",
+        str(TINY),
+        "--log-dir",
+        str(log_dir),
+        *LOCAL,
+        *_sets(*overrides),
+    ]
+    args += ["--initial-peers", *initial] if initial else ["--new-swarm"]
+    return spawn(args)
+
+
+def records(log_dir: Path) -> list[dict]:
+    path = log_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def checksums_by_step(log_dirs: list[Path]) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for d in log_dirs:
+        for r in records(d):
+            out.setdefault(r["outer_step"], set()).add(r["checksum"])
+    return out
+
+
+def finish(procs, timeout: float) -> None:
+    for p in procs:
+        rc = p.wait(timeout=timeout)
+        assert rc == 0, p.describe()
+
+
+@pytest.mark.timeout(240)
+def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
+    boot, initial = start_bootstrap(spawn)
+    rounds = ["train.outer_steps=3", "data.num_shards=3", "swarm.target_group_size=3", "swarm.min_group_size=3"]
+    dirs = [tmp_path / f"peer{k}" for k in range(3)]
+    peers = [start_peer(spawn, initial, d, *rounds, f"data.shard_index={k}") for k, d in enumerate(dirs)]
+    finish(peers, timeout=200)
+
+    by_step = checksums_by_step(dirs)
+    assert sorted(by_step) == [1, 2, 3]
+    assert all(len(c) == 1 for c in by_step.values()), by_step  # every peer, same state, every round
+    for d in dirs:
+        recs = records(d)
+        assert [r["group_size"] for r in recs] == [3, 3, 3]
+        assert recs[-1]["train_loss"] < recs[0]["train_loss"]
+        for key in (
+            "peer_id",
+            "tokens",
+            "compute_seconds",
+            "matchmaking_seconds",
+            "allreduce_seconds",
+            "bytes_sent",
+            "bytes_received",
+            "peak_memory_bytes",
+        ):
+            assert key in recs[0]
+    timing = {
+        k: round(sum(r[k] for d in dirs for r in records(d)) / 9, 3)
+        for k in ("compute_seconds", "matchmaking_seconds", "allreduce_seconds")
+    }
+    print("mean per-round seconds over 3 peers x 3 rounds:", timing)
+
+    # the swarm equals the simulator with the same config, seeds and shards
+    cfg = load_config(TINY, [*FAST, *rounds])
+    simulate(cfg, "diloco", 3, tmp_path / "sim")
+    sim, _ = load_outer_state(tmp_path / "sim" / "final_state")
+    swarm, _ = load_outer_state(latest_checkpoint(dirs[0] / "checkpoints"))
+    assert swarm.step == sim.step == 3
+    diff = max((a - b).abs().max().item() for a, b in zip(swarm.anchor + swarm.momentum, sim.anchor + sim.momentum))
+    print(f"swarm vs simulator: max abs difference {diff:.3g}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path):
+    first = start_peer(spawn, [], tmp_path / "a", "train.outer_steps=6")
+    initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
+    second = start_peer(spawn, initial.split(), tmp_path / "b", "train.outer_steps=6")
+    second.wait_for_line(r"^round [2-6]/6 ", timeout=120)
+    late = start_peer(spawn, initial.split(), tmp_path / "c", "train.outer_steps=6")
+    match = late.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
+    step, checksum = int(match.group(1)), match.group(2)
+    assert step >= 2
+    donors = {r["outer_step"]: r["checksum"] for r in records(tmp_path / "a")}
+    assert donors.get(step) == checksum  # the joiner holds the swarm's state for that step
+    finish([first, second, late], timeout=150)
+    late_recs = records(tmp_path / "c")
+    assert late_recs and late_recs[0]["outer_step"] > step
+    by_step = checksums_by_step([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    assert all(len(c) == 1 for c in by_step.values()), by_step
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_during_allreduce_survivors_finish_in_agreement(spawn, tmp_path):
+    boot, initial = start_bootstrap(spawn)
+    sets = ["train.outer_steps=4", "swarm.target_group_size=3", "swarm.part_size_bytes=65536"]
+    dirs = [tmp_path / f"peer{k}" for k in range(3)]
+    peers = [start_peer(spawn, initial, d, *sets, f"data.shard_index={k}") for k, d in enumerate(dirs[:2])]
+    # ~41 parts of 64 KiB per peer per round; dying after 50 sends is inside the second round's all-reduce
+    victim = start_peer(
+        spawn,
+        initial,
+        dirs[2],
+        *sets,
+        "data.shard_index=2",
+        prefix=[sys.executable, str(ROOT / "tests" / "fault_peer.py"), "50"],
+    )
+    died = float(victim.wait_for_line(r"^DYING ", timeout=150).string.split()[1])
+    started = time.time()
+    finish(peers, timeout=150)
+    assert victim.wait(timeout=10) != 0
+    by_step = checksums_by_step(dirs[:2])
+    assert sorted(by_step) == [1, 2, 3, 4], by_step
+    assert all(len(c) == 1 for c in by_step.values()), by_step
+    survivors = [r for d in dirs[:2] for r in records(d)]
+    hit = [r for r in survivors if r["time"] > died]
+    assert hit and all(r["reduce_attempts"] >= 1 for r in hit)
+    cfg = load_config(TINY, [*FAST, *sets])
+    slowest = max(r["matchmaking_seconds"] + r["allreduce_seconds"] for r in survivors)
+    assert slowest <= cfg.swarm.round_deadline + cfg.swarm.allreduce_timeout
+    print(
+        "after the kill:",
+        [
+            (
+                r["outer_step"],
+                r["group_size"],
+                r["reduce_attempts"],
+                r["reduce_complete"],
+                round(r["matchmaking_seconds"] + r["allreduce_seconds"], 2),
+            )
+            for r in hit
+        ],
+        f"survivors finished {time.time() - started:.1f}s after the kill",
+    )
+
+
+@pytest.mark.timeout(240)
+def test_peers_carry_on_when_the_bootstrap_node_dies(spawn, tmp_path):
+    boot, initial = start_bootstrap(spawn)
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    peers = [start_peer(spawn, initial, d, "train.outer_steps=4", "swarm.target_group_size=2") for d in dirs]
+    peers[0].wait_for_line(r"^round 1/4 ", timeout=120)
+    boot.kill_group()
+    finish(peers, timeout=150)
+    by_step = checksums_by_step(dirs)
+    assert sorted(by_step) == [1, 2, 3, 4] and all(len(c) == 1 for c in by_step.values()), by_step
+    assert all(r["group_size"] == 2 for d in dirs for r in records(d))
+
+
+@pytest.mark.timeout(180)
+def test_peer_with_a_different_model_width_is_refused_with_the_reason(spawn, tmp_path):
+    first = start_peer(spawn, [], tmp_path / "a", "train.outer_steps=50")
+    initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
+    other = start_peer(spawn, initial.split(), tmp_path / "b", "model.hidden_size=64")
+    rc = other.wait(timeout=90)
+    assert rc == 2, other.describe()
+    assert "hidden_size" in other.stderr and "differ" in other.stderr, other.stderr
+    assert "Traceback" not in other.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("initial", "code", "words"),
+    [
+        (["/ip4/127.0.0.1/tcp/notaport/p2p/QmX"], 2, "malformed"),
+        ([], 2, "no initial peers"),
+        (
+            ["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWPGyfpGya6yDt8sNqjN3Ncx1sFqvwuDE5mTQRqLyDSBYd"],
+            3,
+            "no initial peer answered",
+        ),
+    ],
+)
+def test_bad_initial_peers_fail_fast_with_a_message(spawn, tmp_path, initial, code, words):
+    args = [
+        sys.executable,
+        "-m",
+        "peers.run_peer",
+        "--config",
+        str(TINY),
+        "--log-dir",
+        str(tmp_path),
+        *LOCAL,
+        "--set",
+        "swarm.join_timeout=5",
+        "--initial-peers",
+        *initial,
+    ]
+    started = time.monotonic()
+    proc = spawn(args, env={"PATH": "/usr/bin:/bin", "P2P_DILOCO_INITIAL_PEERS": ""})
+    rc = proc.wait(timeout=90)
+    assert rc == code, proc.describe()
+    assert words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - started < 60
