@@ -249,3 +249,43 @@ def test_bad_initial_peers_fail_fast_with_a_message(spawn, tmp_path, initial, co
     assert words in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tmp_path):
+    from swarm_helpers import live_group_members, wait_until
+
+    solo = ["train.outer_steps=5", "swarm.matchmaking_time=1", "swarm.request_timeout=0.5", "swarm.linger_seconds=0"]
+    peer = start_peer(spawn, [], tmp_path / "p", *solo)
+    peer.wait_for_line(r"^round 2/5 ", timeout=120)
+    peer.popen.send_signal(15)
+    started = time.monotonic()
+    assert peer.wait(timeout=60) == 0, peer.describe()
+    assert time.monotonic() - started < 45
+    assert wait_until(lambda: not live_group_members(peer.pgid), 10), live_group_members(peer.pgid)
+    saved = latest_checkpoint(tmp_path / "p" / "checkpoints")
+    state, _ = load_outer_state(saved)
+    assert state.step >= 2
+
+    resumed = start_peer(spawn, [], tmp_path / "p", *solo)
+    resumed.popen.kill()  # the resume flag must be given: a plain restart would start from the seed
+    resumed.wait(timeout=30)
+    args = [
+        sys.executable,
+        "-m",
+        "peers.run_peer",
+        "--config",
+        str(TINY),
+        "--log-dir",
+        str(tmp_path / "p"),
+        *LOCAL,
+        *_sets(*solo),
+        "--new-swarm",
+        "--resume",
+    ]
+    again = spawn(args)
+    match = again.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
+    assert int(match.group(1)) == state.step and match.group(2) == state.checksum()
+    assert again.wait(timeout=120) == 0, again.describe()
+    steps = [r["outer_step"] for r in records(tmp_path / "p")]
+    assert steps[-1] == 5 and sorted(set(steps)) == list(range(1, 6)), steps
