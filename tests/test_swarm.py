@@ -267,9 +267,6 @@ def test_sigterm_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, t
     state, _ = load_outer_state(saved)
     assert state.step >= 2
 
-    resumed = start_peer(spawn, [], tmp_path / "p", *solo)
-    resumed.popen.kill()  # the resume flag must be given: a plain restart would start from the seed
-    resumed.wait(timeout=30)
     args = [
         sys.executable,
         "-m",
