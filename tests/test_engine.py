@@ -155,3 +155,11 @@ def test_simulation_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     assert simulation_main(["--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert simulation_main(["--config", str(TINY), "--out", str(tmp_path), "--workers", "0"]) == 2
+
+
+def test_pretrained_model_loads_from_a_local_path(tmp_path):
+    cfg = load_config(TINY, ["seed=5"])
+    model = build_model(cfg.model, 257, cfg.seed)
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = build_model(load_config(TINY, [f"model.pretrained={tmp_path / 'ckpt'}"]).model, 257, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))

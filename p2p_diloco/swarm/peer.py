@@ -41,7 +41,7 @@ from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state, save_roun
 from p2p_diloco.config import Config, write_run_metadata
 from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
-from p2p_diloco.inner import InnerStats, NonFiniteLossError
+from p2p_diloco.inner import InnerStats, NonFiniteLossError, peak_memory_bytes
 from p2p_diloco.model import architecture_fingerprint
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
 from p2p_diloco.swarm.averager import PseudoGradAverager
@@ -242,10 +242,25 @@ class TrainingPeer:
 
     # ------------------------------------------------------------------ rounds
     def _on_step(self, bar: Any) -> Any:
+        every, tokens_per_step = self.cfg.logging.log_every, self.cfg.data.batch_size * self.cfg.data.seq_len
+        last = [time.perf_counter()]
+
         def on_step(k: int, loss: float) -> None:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}")
+            elif every and (k + 1) % every == 0:
+                now = time.perf_counter()
+                rate = every * tokens_per_step * self.cfg.inner.grad_accum / max(now - last[0], 1e-9)
+                last[0] = now
+                log.info(
+                    "  step %d/%d  loss %.4f  %.0f tok/s  peak memory %.0f MiB",
+                    k + 1,
+                    self.cfg.inner.steps,
+                    loss,
+                    rate,
+                    peak_memory_bytes(self.worker.device) / 2**20,
+                )
             if self.opts.stop.is_set():
                 raise StopRequested
 
