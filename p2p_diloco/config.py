@@ -115,6 +115,7 @@ class SwarmConfig:
     state_timeout: float = 60.0
     part_size_bytes: int = 2 * 1024 * 1024
     record_ttl: float = 120.0  # seconds a peer's DHT record stays fresh
+    start_peers: int = 1  # wait (up to join_timeout) until this many peers of the run are up before round 1
     linger_seconds: float = 10.0  # after the last round, keep serving the state to peers that still resync
 
 
@@ -227,6 +228,7 @@ def _check_ranges(cfg: Config) -> None:
         s.request_timeout,
         f"< swarm.matchmaking_time ({s.matchmaking_time})",
     )
+    need(s.start_peers >= 1, "swarm.start_peers", s.start_peers, ">= 1")
     need(s.linger_seconds >= 0, "swarm.linger_seconds", s.linger_seconds, ">= 0 seconds")
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")

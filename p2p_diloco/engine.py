@@ -41,8 +41,8 @@ class ReduceInfo:
     """
 
     group_size: int = 1
-    complete: bool = True
-    attempts: int = 1
+    complete: bool = False
+    attempts: int = 0
     matchmaking_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     bytes_sent: int = 0
@@ -92,6 +92,8 @@ class RoundResult:
             "outer_lr": self.outer_lr,
             "checksum": self.checksum,
         }
+        if len(self.reduce.gathered) > 1:
+            rec["group_peers"] = sorted(self.reduce.gathered)
         if self.reduce.reason:
             rec["reduce_reason"] = self.reduce.reason
         if self.eval_loss is not None:

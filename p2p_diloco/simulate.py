@@ -137,7 +137,7 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
                 sent = fp32_bytes_sent(num_params, workers) * (local.steps if mode == "sync" else 0)
                 tokens_per_worker += inner.tokens // workers
             bytes_sent += sent
-            info = ReduceInfo(group_size=workers, bytes_sent=sent, bytes_received=sent)
+            info = ReduceInfo(group_size=workers, complete=True, attempts=1, bytes_sent=sent, bytes_received=sent)
             evals = pool[0].maybe_evaluate(eval_sets)
             result = RoundResult(r, inner, info, pool[0].state.checksum(), lr, evals)
             if evals is not None:

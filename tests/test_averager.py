@@ -199,7 +199,7 @@ def test_alone_peer_returns_local_values_quickly(lone_peer):
     info = res["info"]
     assert not info["complete"] and info["group_size"] == 1 and info["attempts"] == 1, info
     assert "no group" in info["reason"], info
-    assert res["seconds"] < averager["matchmaking_time"] + averager["request_timeout"] + 1.0, res
+    assert res["seconds"] < 2 * averager["matchmaking_time"] + averager["request_timeout"] + 1.0, res
     assert all(torch.equal(a, b) for a, b in zip(peer.result(), make_grads(7, SHAPES), strict=True))
 
 

@@ -69,7 +69,7 @@ class _SelfReducer:
     def reduce(self, pseudo_grads, weight):
         from p2p_diloco.engine import ReduceInfo
 
-        return pseudo_grads, ReduceInfo(group_size=1)
+        return pseudo_grads, ReduceInfo(group_size=1, complete=True, attempts=1)
 
 
 def test_h1_inner_sgd_equals_synchronous_data_parallel(tmp_path):

@@ -137,6 +137,7 @@ def test_records_signed_validated_and_read_back():
     finally:
         for dht in reversed(dhts):
             shutdown_dht(dht)
+
     def leftovers():
         return [
             p
@@ -144,4 +145,5 @@ def test_records_signed_validated_and_read_back():
             if p[0] not in before  # noqa: E731
             and not p[1].startswith("torch_shm")
         ]
+
     assert wait_until(lambda: not leftovers(), 5), leftovers()

@@ -28,8 +28,8 @@ FAST = [
     "train.checkpoint_every=0",
     "data.eval_batches=1",
     "logging.progress_bar=false",
-    "swarm.matchmaking_time=6",
-    "swarm.request_timeout=2",
+    "swarm.matchmaking_time=10",
+    "swarm.request_timeout=3",
     "swarm.allreduce_timeout=15",
     "swarm.next_chunk_timeout=5",
     "swarm.round_deadline=40",
@@ -87,7 +87,13 @@ def finish(procs, timeout: float) -> None:
 @pytest.mark.timeout(240)
 def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
     boot, initial = start_bootstrap(spawn)
-    rounds = ["train.outer_steps=3", "data.num_shards=3", "swarm.target_group_size=3", "swarm.min_group_size=3"]
+    rounds = [
+        "train.outer_steps=3",
+        "data.num_shards=3",
+        "swarm.target_group_size=3",
+        "swarm.min_group_size=3",
+        "swarm.start_peers=3",
+    ]
     dirs = [tmp_path / f"peer{k}" for k in range(3)]
     peers = [start_peer(spawn, initial, d, *rounds, f"data.shard_index={k}") for k, d in enumerate(dirs)]
     finish(peers, timeout=200)
@@ -129,11 +135,11 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path):
-    first = start_peer(spawn, [], tmp_path / "a", "train.outer_steps=6")
+    first = start_peer(spawn, [], tmp_path / "a", "train.outer_steps=6", "swarm.target_group_size=3")
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
-    second = start_peer(spawn, initial.split(), tmp_path / "b", "train.outer_steps=6")
+    second = start_peer(spawn, initial.split(), tmp_path / "b", "train.outer_steps=6", "swarm.target_group_size=3")
     second.wait_for_line(r"^round [2-6]/6 ", timeout=120)
-    late = start_peer(spawn, initial.split(), tmp_path / "c", "train.outer_steps=6")
+    late = start_peer(spawn, initial.split(), tmp_path / "c", "train.outer_steps=6", "swarm.target_group_size=3")
     match = late.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
     step, checksum = int(match.group(1)), match.group(2)
     assert step >= 2
@@ -149,7 +155,7 @@ def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path
 @pytest.mark.timeout(240)
 def test_sigkill_during_allreduce_survivors_finish_in_agreement(spawn, tmp_path):
     boot, initial = start_bootstrap(spawn)
-    sets = ["train.outer_steps=4", "swarm.target_group_size=3", "swarm.part_size_bytes=65536"]
+    sets = ["train.outer_steps=4", "swarm.target_group_size=3", "swarm.part_size_bytes=65536", "swarm.start_peers=3"]
     dirs = [tmp_path / f"peer{k}" for k in range(3)]
     peers = [start_peer(spawn, initial, d, *sets, f"data.shard_index={k}") for k, d in enumerate(dirs[:2])]
     # ~41 parts of 64 KiB per peer per round; dying after 50 sends is inside the second round's all-reduce
@@ -194,7 +200,10 @@ def test_sigkill_during_allreduce_survivors_finish_in_agreement(spawn, tmp_path)
 def test_peers_carry_on_when_the_bootstrap_node_dies(spawn, tmp_path):
     boot, initial = start_bootstrap(spawn)
     dirs = [tmp_path / "a", tmp_path / "b"]
-    peers = [start_peer(spawn, initial, d, "train.outer_steps=4", "swarm.target_group_size=2") for d in dirs]
+    peers = [
+        start_peer(spawn, initial, d, "train.outer_steps=4", "swarm.target_group_size=2", "swarm.start_peers=2")
+        for d in dirs
+    ]
     peers[0].wait_for_line(r"^round 1/4 ", timeout=120)
     boot.kill_group()
     finish(peers, timeout=150)

@@ -246,7 +246,7 @@ class PseudoGradAverager(DecentralizedAverager):
         grads = self._check_inputs(pseudo_grads, weight)
         info = ReduceInfo(gathered={str(self.peer_id): gather})
         start, notes = time.monotonic(), []
-        attempt_budget = self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
+        attempt_budget = 2 * self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
         while info.attempts < self.max_reduce_attempts:
             if info.attempts and time.monotonic() + attempt_budget > start + self.round_deadline:
                 notes.append(f"no time for attempt {info.attempts + 1} within round_deadline={self.round_deadline}s")
@@ -272,7 +272,9 @@ class PseudoGradAverager(DecentralizedAverager):
             for buf, grad in zip(shared, grads, strict=True):
                 buf.copy_(grad)
         t0, control = time.monotonic(), None
-        find_timeout = self.matchmaking_time + self.request_timeout_s
+        # hivemind starts the all-reduce at the leader's deadline; a follower whose own step times out at the
+        # same moment leaves a group the others then run without it. One more matchmaking period of slack.
+        find_timeout = 2 * self.matchmaking_time + self.request_timeout_s
         try:
             control = self.step(weight=weight, gather=gather, timeout=find_timeout, allow_retries=False, wait=False)
             out = control.result(timeout=find_timeout + self.allreduce_timeout + 5.0)

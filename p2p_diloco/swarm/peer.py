@@ -134,6 +134,7 @@ class TrainingPeer:
         )
         self.eval_sets = self.data.eval_sets()
         self._join()
+        self._wait_for_start_peers()
         self.averager.set_state_provider(self._share_state)
         self.averager.state_sharing_priority = float(self.worker.state.step)
         print(f"joined at outer step {self.worker.state.step} with checksum {self.worker.state.checksum()}", flush=True)
@@ -211,6 +212,21 @@ class TrainingPeer:
             f"peers of run {self.cfg.swarm.run_id!r} exist, but none sent its outer state within "
             f"swarm.join_timeout={self.cfg.swarm.join_timeout:g}s: retry, or raise swarm.join_timeout"
         )
+
+    def _wait_for_start_peers(self) -> None:
+        """Hold round 1 until swarm.start_peers peers of this run are up (bounded by swarm.join_timeout)."""
+        want, deadline = self.cfg.swarm.start_peers, time.monotonic() + self.cfg.swarm.join_timeout
+        while want > 1 and time.monotonic() < deadline and not self.opts.stop.is_set():
+            seen = 1 + sum(1 for v in self._others().values() if v.get("fingerprint") == self.fingerprint)
+            if seen >= want:
+                log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
+                return
+            self._announce()
+            time.sleep(0.5)
+        if want > 1:
+            log.warning(
+                "fewer than swarm.start_peers=%d peers after %.0fs: starting anyway", want, self.cfg.swarm.join_timeout
+            )
 
     def _share_state(self) -> tuple[dict, list[torch.Tensor]]:
         with self._lock:

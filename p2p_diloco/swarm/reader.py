@@ -1,0 +1,158 @@
+"""The monitor's view of the DHT: the run's records with their expiry, and the entries hivemind refused.
+
+Inputs:  the DHT entries under ``f"{run_id}_metrics"`` (see records.py for the wire format).
+Output:  :func:`read_swarm` -> :class:`Reading` (records by peer id, each one's DHT expiry, which owner key
+         wrote which peer, and the (reason, owner digest) of every refused or unparsable entry).
+State:   :class:`RejectCounter`'s pipe, written by the DHT process and drained by the host.
+Failure: a lookup slower than ``timeout`` raises ``TimeoutError``. Refused entries never reach the records.
+
+Why a validator wrapper: hivemind runs the validators inside the DHT process; an answer from a node whose
+dictionary holds an entry that fails the signature or schema check is dropped whole and silently (the reader
+keeps other nodes' answers), so ``DHT.get`` alone cannot tell the monitor that garbage was there. Only the
+first failing entry of each answer is seen (hivemind stops validating a dictionary at its first failure).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.utils.serializer import MSGPackSerializer
+
+from p2p_diloco.swarm.records import PeerRecord, metrics_key, parse_records
+
+__all__ = ["owner_digest", "RejectCounter", "parse_entries", "Reading", "read_swarm"]
+
+
+def owner_digest(subkey: Any) -> str:
+    """A short stable name for an owner subkey (the RSA public key is ~400 characters)."""
+    raw = subkey if isinstance(subkey, bytes) else repr(subkey).encode()
+    return hashlib.sha256(raw).hexdigest()[:10]
+
+
+class RejectCounter(RecordValidatorBase):
+    """Runs the record validators and reports each entry they refuse under the run's key.
+
+    hivemind validates in the DHT process and drops a refused answer silently (a whole node's dictionary at a
+    time); this wrapper writes ``b"<reason> <owner digest>\\n"`` to a non-blocking pipe the host drains
+    (reasons: signature, schema, error). Made before the DHT process forks; a full pipe drops reports, never
+    blocks the DHT. Validation itself is unchanged: a refused entry is never shown.
+    """
+
+    def __init__(self, validators: Iterable[RecordValidatorBase], run_id: str) -> None:
+        validators = list(validators)
+        self._inner = CompositeValidator(validators)
+        self._signer = next((v for v in validators if isinstance(v, RSASignatureValidator)), None)
+        self._key = DHTID.generate(source=metrics_key(run_id)).to_bytes()
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            ok = self._inner.validate(record)
+        except Exception:  # noqa: BLE001 - e.g. a malformed public key raises inside RSAPublicKey.from_bytes
+            ok, reason = False, "error"
+        else:
+            reason = "schema"
+        if not ok and record.key == self._key:
+            if reason == "schema" and self._signer is not None:
+                try:
+                    reason = "schema" if self._signer.validate(record) else "signature"
+                except Exception:  # noqa: BLE001
+                    reason = "signature"
+            try:
+                subkey = MSGPackSerializer.loads(record.subkey)
+            except Exception:  # noqa: BLE001
+                subkey = record.subkey
+            try:
+                os.write(self._write_fd, f"{reason} {owner_digest(subkey)}\n".encode())
+            except OSError:
+                pass  # pipe full or closed: the report is lost, the DHT never waits
+        return ok
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return self._inner.sign_value(record)
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return self._inner.strip_value(record)
+
+    @property
+    def priority(self) -> int:
+        return 10
+
+    def close_host_end(self) -> None:
+        """Call in the host after the DHT process started: only that process writes."""
+        try:
+            os.close(self._write_fd)
+        except OSError:
+            pass
+
+    def drain(self) -> list[tuple[str, str]]:
+        """(reason, owner digest) of every refusal reported since the last drain."""
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(self.read_fd, 65536)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        lines = b"".join(chunks).decode(errors="replace").splitlines()
+        return [tuple(line.split(" ", 1)) for line in lines if " " in line]  # type: ignore[misc]
+
+
+def parse_entries(entries: Any) -> tuple[dict[str, PeerRecord], dict[str, float], dict[str, str], list[str]]:
+    """Pure parse of what ``DHT.get`` returned for the key: (records by peer id, their DHT expiry by peer id,
+    owner digest -> peer id, owner digests of entries that failed to parse). Newest ``time`` wins per peer."""
+    if not isinstance(entries, dict):
+        return {}, {}, {}, ["<plain value>"]
+    records: dict[str, PeerRecord] = {}
+    expirations: dict[str, float] = {}
+    owners: dict[str, str] = {}
+    bad: list[str] = []
+    for subkey, item in entries.items():
+        parsed, n_bad = parse_records({subkey: item})
+        if n_bad or not parsed:
+            bad.append(owner_digest(subkey))
+            continue
+        peer, record = next(iter(parsed.items()))
+        owners[owner_digest(subkey)] = peer
+        if peer not in records or record.time > records[peer].time:
+            records[peer] = record
+            expirations[peer] = float(getattr(item, "expiration_time", math.inf))
+    return records, expirations, owners, bad
+
+
+@dataclass
+class Reading:
+    records: dict[str, PeerRecord]
+    expirations: dict[str, float]
+    owners: dict[str, str]
+    bad: list[tuple[str, str]]  # (reason, owner digest)
+    seconds: float
+
+
+def read_swarm(dht: DHT, run_id: str, timeout: float, rejects: RejectCounter | None = None) -> Reading:
+    """One lookup of the run's key (``latest=True``: asks the network, not a cache). Raises TimeoutError."""
+    started = time.monotonic()
+    future = dht.get(metrics_key(run_id), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"reading {metrics_key(run_id)!r} from the DHT took over {timeout:g} s") from None
+    records, expirations, owners, unparsed = parse_entries(found.value) if found is not None else ({}, {}, {}, [])
+    refused = rejects.drain() if rejects is not None else []
+    bad = refused + [("parse", d) for d in unparsed]
+    return Reading(records, expirations, owners, bad, time.monotonic() - started)

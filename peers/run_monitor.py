@@ -1,0 +1,159 @@
+"""run_monitor: watch a p2p_diloco swarm (peers, round, loss, tokens/s) from a DHT node that trains nothing.
+
+Usage:
+    # watch run "tiny-demo" (configs/tiny.yaml's swarm.run_id), history in runs/monitor, page on port 8080
+    run_monitor --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/QmXyZ... --run-id tiny-demo --out runs/monitor --port 8080
+    #   http://127.0.0.1:8080/         live page (numbers from /status, plots)
+    #   http://127.0.0.1:8080/status   JSON summary;   /metrics  Prometheus text format
+    # behind NAT or a firewall that blocks incoming connections:
+    run_monitor --initial-peers ... --run-id tiny-demo --out runs/monitor --client-mode
+    # PNG plots from a monitor history and peers' logs (written to runs/monitor/plots/ unless --plot-out)
+    run_monitor --plot runs/monitor --peer-logs runs/peer0 runs/peer1
+
+Every --interval seconds it reads the run's per-peer records, prints one status line when something changed
+(a redrawn table on a terminal) and appends a JSON line to OUT/monitor.jsonl (a restart continues the file).
+Exit codes: 0 stopped by SIGINT/SIGTERM (or plots written); 2 bad input (address, busy port, nothing to plot);
+3 no initial peer answered; 1 anything unexpected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from p2p_diloco.config import SwarmConfig
+from p2p_diloco.monitor import HISTORY_FILE, ConsoleView, Monitor
+from p2p_diloco.monitor_http import PlotCache, PortInUseError, bind
+from p2p_diloco.plots import write_plots
+from p2p_diloco.swarm.dht import (
+    SwarmSetupError,
+    SwarmUnreachableError,
+    initial_peers_from_env,
+    parse_initial_peers,
+    shutdown_dht,
+    start_dht,
+)
+from p2p_diloco.swarm.reader import RejectCounter
+from p2p_diloco.swarm.records import make_record_validators
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="run_monitor",
+        description="Monitor a p2p_diloco swarm, or render plots of a run (--plot).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument(
+        "--initial-peers",
+        "--initial_peers",
+        dest="initial_peers",
+        nargs="*",
+        default=None,
+        metavar="MADDR",
+        help="multiaddrs of running peers (default: $P2P_DILOCO_INITIAL_PEERS)",
+    )
+    p.add_argument("--out", type=Path, help="directory for monitor.jsonl (and plots/)")
+    p.add_argument("--run-id", default=SwarmConfig().run_id, help="the peers' swarm.run_id (default %(default)s)")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (default %(default)s)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port for /, /status, /metrics (0: any free one)")
+    p.add_argument("--http-host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: all interfaces)")
+    p.add_argument("--client-mode", action="store_true", help="accept no incoming DHT connections (behind NAT)")
+    p.add_argument("--host-maddrs", nargs="*", default=None, help="DHT listen addresses (default /ip4/0.0.0.0/tcp/0)")
+    p.add_argument("--announce-maddrs", nargs="*", default=None, help="public DHT addresses, when behind NAT")
+    p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach an initial peer")
+    p.add_argument("--peer-logs", nargs="*", type=Path, default=[], metavar="DIR", help="peers' log dirs to plot")
+    p.add_argument("--plot", type=Path, metavar="DIR", help="render PNGs from DIR/monitor.jsonl (+ --peer-logs), exit")
+    p.add_argument("--plot-out", type=Path, metavar="DIR", help="where --plot writes PNGs (default DIR/plots)")
+    return p.parse_args(argv)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"run_monitor: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def plot(args: argparse.Namespace) -> int:
+    out = args.plot_out or args.plot / "plots"
+    try:
+        paths = write_plots(out, args.plot / HISTORY_FILE, args.peer_logs)
+    except FileNotFoundError as exc:
+        return _fail(f"{exc}; pass the monitor's --out directory and/or peers' --log-dir with --peer-logs", 2)
+    print("\n".join(str(p) for p in paths), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    logging.getLogger("hivemind").setLevel(logging.ERROR)
+    if args.plot is not None:
+        return plot(args)
+    if args.out is None:
+        return _fail("--out DIR is required (where monitor.jsonl goes); or use --plot DIR", 2)
+    if args.interval <= 0:
+        return _fail(f"--interval {args.interval} must be > 0 seconds", 2)
+
+    stop, starting = threading.Event(), [True]
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+        if starting[0]:
+            raise KeyboardInterrupt  # abort the DHT join (start_dht cleans up)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    server = dht = None
+    try:
+        initial = args.initial_peers if args.initial_peers is not None else initial_peers_from_env()
+        initial = parse_initial_peers(initial)
+        monitor: Monitor | None = None
+        if args.port is not None:  # bind before joining: a busy port fails in a second, not after the join
+            plots = PlotCache(args.out / HISTORY_FILE, args.peer_logs)
+            refresh_ms = int(args.interval * 1000)
+            server = bind(args.http_host, args.port, lambda: monitor.latest if monitor else None, refresh_ms, plots)
+        validators, _ = make_record_validators(args.run_id)
+        rejects = RejectCounter(validators, args.run_id)
+        dht = start_dht(
+            initial,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
+            client_mode=args.client_mode,
+            join_timeout=args.join_timeout,
+            record_validators=[rejects],
+        )
+        rejects.close_host_end()
+        monitor = Monitor(dht, args.run_id, args.out, args.interval, rejects, ConsoleView(sys.stdout), stop)
+        print(f"monitor {dht.peer_id} watching run {args.run_id!r}; history: {monitor.history.path}", flush=True)
+        if server is not None:
+            server.start()
+            print(f"monitor page: {server.url}  (/status, /metrics)", flush=True)
+        starting[0] = False
+        if not stop.is_set():
+            monitor.run()
+        return 0
+    except SwarmUnreachableError as exc:
+        return _fail(str(exc), 3)
+    except (SwarmSetupError, PortInUseError) as exc:
+        return _fail(str(exc), 2)
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as exc:
+        return _fail(str(exc), 1)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
+        if server is not None:
+            server.close()
+        if dht is not None:
+            shutdown_dht(dht)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
