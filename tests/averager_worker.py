@@ -81,7 +81,8 @@ def main() -> None:
         cmd, *args = line.split()
         if cmd == "REDUCE":
             t0 = time.monotonic()
-            averaged, info = averager.reduce(grads, float(args[0]), gather={"seed": seed})
+            gather = {"seed": seed} if cfg.get("state") is None else {"seed": seed, "state": cfg["state"]}
+            averaged, info = averager.reduce(grads, float(args[0]), gather=gather)
             seconds = time.monotonic() - t0
             torch.save(averaged, os.path.join(out_dir, "result.pt"))
             emit("RESULT", {"info": dataclasses.asdict(info), "seconds": seconds, "peer_id": str(dht.peer_id)})

@@ -47,7 +47,7 @@ import math
 import signal
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +68,24 @@ from p2p_diloco.engine import ReduceInfo
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
 _STATE_KEY = "p2p_diloco_state"  # wraps the metadata: hivemind drops a state whose metadata is falsy ({})
+
+
+def _state_of(payload: Any) -> tuple | None:
+    if isinstance(payload, dict) and isinstance(payload.get("state"), list | tuple):
+        return tuple(payload["state"])
+    return None
+
+
+def majority_state(gathered: dict[str, Any]) -> tuple | None:
+    """The ``state`` most members put in their gather payload (ties: the largest); None if nobody did.
+
+    Every member computes this from the same gathered payloads, so all agree on it. Members whose state
+    differs average with weight 0: the group's mean is then the mean over the in-sync members only.
+    """
+    votes = Counter(s for s in map(_state_of, gathered.values()) if s is not None)
+    if not votes:
+        return None
+    return max(votes, key=lambda k: (votes[k], k))
 
 
 class _ExactRunner(AllReduceRunner):
@@ -320,6 +338,9 @@ class PseudoGradAverager(DecentralizedAverager):
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             modes = [AveragingMode(m) for m in mode_ids]
             gathered = {str(p): self.serializer.loads(b) for p, b in zip(group_info.peer_ids, user_bytes, strict=True)}
+            majority = majority_state(gathered)
+            if majority is not None and _state_of(gathered.get(str(self.peer_id))) != majority:
+                kwargs["weight"] = 0.0  # out of sync with the group: serve as a reducer, contribute nothing
             download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
             sizes = load_balance_peers(self.total_size, download, min_vector_size)
             async with enter_asynchronously(self.get_tensors()) as local_tensors:

@@ -12,8 +12,9 @@ Round protocol (every wait is bounded by a SwarmConfig deadline):
   1. H inner steps from θ = anchor (a stop request abandons the round: θ is reset, nothing is sent).
   2. Δ = anchor − θ, all-reduced with weight = tokens; the gather payload carries (outer step, checksum of
      the outer state before the round). An incomplete all-reduce is never applied (see averager.py).
-  3. The group's gathered (step, checksum) pairs are compared. Peers in the majority apply Δ̄ and end with
-     bitwise-equal states; a peer in the minority (behind, or diverged) discards its round and downloads
+  3. The group's gathered (step, checksum) pairs are compared before the butterfly runs: a member in the
+     minority (behind, or diverged) averages with weight 0, so Δ̄ is the mean over the in-sync members.
+     They apply it and end with bitwise-equal states; the minority member discards its round and downloads
      the outer state from a peer before its next inner step.
   4. Alone or all attempts failed: ``swarm.alone_policy`` = local takes a local outer step with the own Δ
      (logged; a later group puts this peer in the minority, and it resyncs), = wait discards the round.
@@ -28,7 +29,6 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.inner import InnerStats, NonFiniteLossError, peak_memory_bytes
 from p2p_diloco.model import architecture_fingerprint
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
-from p2p_diloco.swarm.averager import PseudoGradAverager
+from p2p_diloco.swarm.averager import PseudoGradAverager, majority_state
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.records import PeerRecord, make_record_validators, publish_record
 
@@ -87,14 +87,6 @@ def swarm_fingerprint(cfg: Config, model: torch.nn.Module, vocab_size: int) -> t
     }
     digest = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:12]
     return digest, summary
-
-
-def _majority(gathered: dict[str, Any]) -> tuple[int, str] | None:
-    """The (step, checksum) most members hold; ties go to the higher step, then the smaller checksum."""
-    votes = Counter((g["step"], g["checksum"]) for g in gathered.values() if isinstance(g, dict) and "step" in g)
-    if not votes:
-        return None
-    return max(votes, key=lambda k: (votes[k], k[0], tuple(-ord(c) for c in k[1])))
 
 
 class TrainingPeer:
@@ -306,10 +298,10 @@ class TrainingPeer:
         except (NonFiniteLossError, NonFiniteUpdateError) as exc:
             log.error("round %d discarded: %s", before[0] + 1, exc)
             return None
-        gather = {"step": before[0], "checksum": before[1], "tokens": stats.tokens}
+        gather = {"state": [before[0], before[1]], "tokens": stats.tokens}
         avg, info = self.averager.reduce(delta, float(stats.tokens), gather=gather)
         if info.complete and info.group_size > 1:
-            majority = _majority(info.gathered)
+            majority = majority_state(info.gathered)
             if majority is not None and majority != before:
                 log.warning(
                     "round %d: this peer's state (step %d) differs from its group's majority (step %d): "
@@ -321,9 +313,13 @@ class TrainingPeer:
                 if not self._download_state():
                     log.warning("state download failed; will retry next round")
                 return None
-            odd = sum(1 for g in info.gathered.values() if (g.get("step"), g.get("checksum")) != before)
+            odd = sum(1 for g in info.gathered.values() if tuple(g.get("state", ())) != before)
             if odd:
-                log.warning("round %d: %d group member(s) were out of sync; they resync", before[0] + 1, odd)
+                log.warning(
+                    "round %d: %d group member(s) were out of sync (weight 0 in the mean); they resync",
+                    before[0] + 1,
+                    odd,
+                )
         elif self.cfg.swarm.alone_policy == "wait":
             log.warning(
                 "round %d: no complete all-reduce (%s); alone_policy=wait discards it", before[0] + 1, info.reason
