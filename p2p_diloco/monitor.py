@@ -160,9 +160,12 @@ class SwarmTracker:
         self.eval_loss: float | None = None
         self.rounds_completed = 0
         self.last: SwarmSummary | None = None
-        if resume_from:  # the last line of the history this monitor continues
-            self.eval_round, self.eval_loss = resume_from.get("eval_round"), resume_from.get("eval_loss")
-            self.rounds_completed = int(resume_from.get("rounds_completed") or 0)
+        if resume_from:  # the last line of the history this monitor continues; anything odd in it is ignored
+            eval_round, eval_loss = resume_from.get("eval_round"), resume_from.get("eval_loss")
+            if isinstance(eval_round, int) and isinstance(eval_loss, float | int):
+                self.eval_round, self.eval_loss = eval_round, float(eval_loss)
+            if isinstance(resume_from.get("rounds_completed"), int):
+                self.rounds_completed = resume_from["rounds_completed"]
 
     def update(
         self,

@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         initial = args.initial_peers if args.initial_peers is not None else initial_peers_from_env()
         initial = parse_initial_peers(initial)
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+            with (args.out / HISTORY_FILE).open("a"):
+                pass
+        except OSError as exc:
+            return _fail(f"cannot write the history to {args.out / HISTORY_FILE}: {exc}; pick another --out", 2)
         monitor: Monitor | None = None
         if args.port is not None:  # bind before joining: a busy port fails in a second, not after the join
             plots = PlotCache(args.out / HISTORY_FILE, args.peer_logs)

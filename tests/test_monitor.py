@@ -109,6 +109,8 @@ def test_tracker_counts_joins_departures_tokens_eval_and_expiry():
     json.dumps(failed.to_json(), allow_nan=False)
     resumed = SwarmTracker(RUN, resume_from=s.to_json())
     assert resumed.rounds_completed == 2 and resumed.eval_loss == pytest.approx(3.6)
+    odd = SwarmTracker(RUN, resume_from={"eval_round": "x", "eval_loss": None, "rounds_completed": "7"})
+    assert odd.rounds_completed == 0 and odd.eval_loss is None
 
 
 @pytest.mark.timeout(30)
@@ -315,8 +317,16 @@ def swarm(tmp_path_factory):
         ids = [p.wait_for_line(r"^peer (\S+) reachable as", timeout=120).group(1) for p in peers]
         wait_status(url, lambda s: s.get("num_peers") == 2, timeout=150)
         yield dict(tmp=tmp, url=url, monitor=monitor, peers=peers, ids=ids, initial=initial, waiting=waiting, boot=boot)
-    finally:
+    finally:  # politely first (a SIGKILLed peer leaves its shared-memory tensors in /dev/shm), then for sure
         for p in procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
             p.kill_group()
 
 
@@ -439,7 +449,7 @@ def test_departure_shows_after_expiry_then_signals_exit_cleanly_and_a_restart_co
     assert wait_until(lambda: not live_group_members(monitor.pgid), 10), live_group_members(monitor.pgid)
     lines_before = len(history.read_text().splitlines())
 
-    again = Proc(monitor_args(swarm["initial"], swarm["tmp"] / "mon"))
+    again = Proc(monitor_args(swarm["initial"], swarm["tmp"] / "mon", "--client-mode"))  # reads, takes no connections
     try:
         again.wait_for_line(r"round \d+  peers 1 ", timeout=90)
         again.popen.send_signal(signal.SIGINT)
