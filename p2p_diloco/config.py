@@ -110,6 +110,7 @@ class SwarmConfig:
     next_chunk_timeout: float = 10.0
     round_deadline: float = 180.0  # seconds for all reduce attempts of one round
     max_reduce_attempts: int = 3
+    max_staleness: int = 1  # 1: a peer one round behind still counts (delayed pseudo-gradient) and catches up
     alone_policy: str = "local"  # local: take a local outer step | wait: retry until others come
     join_timeout: float = 60.0  # seconds to reach an initial peer and load state
     state_timeout: float = 60.0
@@ -230,6 +231,7 @@ def _check_ranges(cfg: Config) -> None:
     )
     need(s.start_peers >= 1, "swarm.start_peers", s.start_peers, ">= 1")
     need(s.linger_seconds >= 0, "swarm.linger_seconds", s.linger_seconds, ">= 0 seconds")
+    need(s.max_staleness in (0, 1), "swarm.max_staleness", s.max_staleness, "0 or 1")
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
 

@@ -192,14 +192,15 @@ def test_non_finite_input_raises_before_any_network_work(lone_peer):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
-def test_out_of_sync_member_contributes_nothing(spawn):
-    """A member whose gathered state differs from the majority's averages with weight 0."""
-    states = {0: {"state": [3, "abc"]}, 1: {"state": [3, "abc"]}, 2: {"state": [2, "old"]}}
+@pytest.mark.parametrize(("third_state", "counted"), [([1, "old"], [0, 1]), ([2, "old"], [0, 1, 2])])
+def test_members_out_of_sync_count_only_when_one_round_behind(spawn, third_state, counted):
+    """Gathered states [3, 3, x]: x two rounds behind averages with weight 0; one round behind still counts."""
+    states = {0: {"state": [3, "abc"]}, 1: {"state": [3, "abc"]}, 2: {"state": third_state}}
     peers = start_swarm(spawn, 3, per_peer=states)
     for peer in peers:
         peer.send("REDUCE 1.0")
     results = [peer.expect("RESULT", 40) for peer in peers]
-    expected = weighted_mean([0, 1], [1.0, 1.0])
+    expected = weighted_mean(counted, [1.0] * len(counted))
     for peer, res in zip(peers, results, strict=True):
         assert res["info"]["complete"] and res["info"]["group_size"] == 3, res
         assert_close(peer.result(), expected)

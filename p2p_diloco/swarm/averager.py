@@ -79,13 +79,21 @@ def _state_of(payload: Any) -> tuple | None:
 def majority_state(gathered: dict[str, Any]) -> tuple | None:
     """The ``state`` most members put in their gather payload (ties: the largest); None if nobody did.
 
-    Every member computes this from the same gathered payloads, so all agree on it. Members whose state
-    differs average with weight 0: the group's mean is then the mean over the in-sync members only.
+    Every member computes this from the same gathered payloads, so all agree on it. Members that do not
+    ``contributes`` average with weight 0: the group's mean is then over the members that count.
     """
     votes = Counter(s for s in map(_state_of, gathered.values()) if s is not None)
     if not votes:
         return None
     return max(votes, key=lambda k: (votes[k], k))
+
+
+def contributes(state: tuple | None, majority: tuple | None, max_staleness: int) -> bool:
+    """Whether a member with gathered ``state`` = (outer step, checksum) counts in the group's mean: in sync
+    with the majority, or (``max_staleness`` 1) exactly one outer step behind it (a delayed pseudo-gradient)."""
+    if majority is None or state == majority:
+        return True
+    return state is not None and max_staleness >= 1 and state[0] == majority[0] - 1
 
 
 class _ExactRunner(AllReduceRunner):
@@ -163,6 +171,7 @@ class PseudoGradAverager(DecentralizedAverager):
         part_size_bytes: int,
         round_deadline: float,
         max_reduce_attempts: int,
+        max_staleness: int = 1,
         start: bool = True,
         shutdown_timeout: float = 5.0,
     ):
@@ -197,6 +206,7 @@ class PseudoGradAverager(DecentralizedAverager):
             round_deadline,
             max_reduce_attempts,
         )
+        self.max_staleness = max_staleness  # read in the averager process (set before it forks)
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
         if start:
@@ -217,6 +227,7 @@ class PseudoGradAverager(DecentralizedAverager):
             "part_size_bytes",
             "round_deadline",
             "max_reduce_attempts",
+            "max_staleness",
         )
         return cls(dht, templates, prefix, **{name: getattr(swarm, name) for name in names}, **kw)
 
@@ -339,7 +350,7 @@ class PseudoGradAverager(DecentralizedAverager):
             modes = [AveragingMode(m) for m in mode_ids]
             gathered = {str(p): self.serializer.loads(b) for p, b in zip(group_info.peer_ids, user_bytes, strict=True)}
             majority = majority_state(gathered)
-            if majority is not None and _state_of(gathered.get(str(self.peer_id))) != majority:
+            if not contributes(_state_of(gathered.get(str(self.peer_id))), majority, self.max_staleness):
                 kwargs["weight"] = 0.0  # out of sync with the group: serve as a reducer, contribute nothing
             download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
             sizes = load_balance_peers(self.total_size, download, min_vector_size)

@@ -14,8 +14,9 @@ Round protocol (every wait is bounded by a SwarmConfig deadline):
      the outer state before the round). An incomplete all-reduce is never applied (see averager.py).
   3. The group's gathered (step, checksum) pairs are compared before the butterfly runs: a member in the
      minority (behind, or diverged) averages with weight 0, so Δ̄ is the mean over the in-sync members.
-     They apply it and end with bitwise-equal states; the minority member discards its round and downloads
-     the outer state from a peer before its next inner step.
+     They apply it and end with bitwise-equal states. A member exactly one round behind (swarm.max_staleness
+     1) counts with its delayed Δ, then takes the group's pre-round state and applies the same Δ̄ (bitwise
+     equal too); a member further behind or diverged discards its round and downloads the outer state.
   4. Alone or all attempts failed: ``swarm.alone_policy`` = local takes a local outer step with the own Δ
      (logged; a later group puts this peer in the minority, and it resyncs), = wait discards the round.
   5. A non-finite Δ or Δ̄ is never applied: the round is discarded and θ reset to the anchor.
@@ -43,8 +44,8 @@ from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.inner import InnerStats, NonFiniteLossError, peak_memory_bytes
 from p2p_diloco.model import architecture_fingerprint
-from p2p_diloco.outer import NonFiniteUpdateError, OuterState
-from p2p_diloco.swarm.averager import PseudoGradAverager, majority_state
+from p2p_diloco.outer import NonFiniteUpdateError, OuterState, outer_lr_at
+from p2p_diloco.swarm.averager import PseudoGradAverager, contributes, majority_state
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.records import PeerRecord, make_record_validators, publish_record
 
@@ -226,27 +227,52 @@ class TrainingPeer:
             meta = {"outer_step": state.step, "checksum": state.checksum(), "fingerprint": self.fingerprint}
             return meta, [t.clone() for t in state.tensors()]
 
-    def _download_state(self, min_step: int = 0) -> bool:
-        """Adopt the outer state of a peer (the most advanced one sharing) if it is at ``min_step`` or later."""
+    def _fetch_state(self) -> OuterState | None:
+        """The outer state of the most advanced peer that shares it, checked (fingerprint, checksum); or None."""
         got = self.averager.load_state(self.cfg.swarm.state_timeout)
         if got is None:
-            return False
+            return None
         meta, tensors = got
         if meta.get("fingerprint") != self.fingerprint:
             log.warning("state offered by a peer with another fingerprint; ignored")
-            return False
-        if int(meta["outer_step"]) < min_step:
-            log.info("the state offered is at step %s, behind this peer's %d; kept ours", meta["outer_step"], min_step)
-            return False
+            return None
         state = OuterState.from_tensors(tensors, int(meta["outer_step"]))
         if state.checksum() != meta.get("checksum"):
             log.warning("downloaded outer state fails its checksum; ignored")
-            return False
+            return None
+        return state
+
+    def _adopt(self, state: OuterState) -> None:
         with self._lock:
             self.worker.load_state(state)
         self.averager.state_sharing_priority = float(state.step)
-        log.info("downloaded the outer state at step %d (checksum %s)", state.step, meta["checksum"])
+        log.info("downloaded the outer state at step %d (checksum %s)", state.step, state.checksum())
+
+    def _download_state(self, min_step: int = 0) -> bool:
+        """Adopt the outer state of a peer (the most advanced one sharing) if it is at ``min_step`` or later."""
+        state = self._fetch_state()
+        if state is None:
+            return False
+        if state.step < min_step:
+            log.info("the state offered is at step %d, behind this peer's %d; kept ours", state.step, min_step)
+            return False
+        self._adopt(state)
         return True
+
+    def _catch_up(self, majority: tuple, avg: list[torch.Tensor]) -> bool:
+        """One round behind, our Δ counted: take the group's pre-round state and apply the same Δ̄ to it (or
+        take its post-round state if the donor already applied it). Ends bitwise equal to the group."""
+        state = self._fetch_state()
+        if state is not None and (state.step, state.checksum()) == tuple(majority):
+            with self._lock:
+                self.worker.load_state(state)
+                self.worker.apply_outer(avg)
+            self.averager.state_sharing_priority = float(self.worker.state.step)
+            return True
+        if state is not None and state.step == majority[0] + 1:
+            self._adopt(state)
+            return True
+        return False
 
     # ------------------------------------------------------------------ rounds
     def _on_step(self, bar: Any) -> Any:
@@ -302,7 +328,17 @@ class TrainingPeer:
         avg, info = self.averager.reduce(delta, float(stats.tokens), gather=gather)
         if info.complete and info.group_size > 1:
             majority = majority_state(info.gathered)
-            if majority is not None and majority != before:
+            stale = majority is not None and majority != before
+            if stale and contributes(before, majority, self.cfg.swarm.max_staleness) and self._catch_up(majority, avg):
+                log.warning(
+                    "round %d: this peer was one round behind; its Δ counted and it caught up to step %d",
+                    before[0] + 1,
+                    w.state.step,
+                )
+                evals = w.maybe_evaluate(self.eval_sets)
+                lr = outer_lr_at(majority[0], self.cfg.outer.lr, self.cfg.outer.lr_warmup_rounds)
+                return RoundResult(w.state.step, stats, info, w.state.checksum(), lr, evals)
+            if stale:
                 log.warning(
                     "round %d: this peer's state (step %d) differs from its group's majority (step %d): "
                     "discarding the round and downloading the outer state",
@@ -316,7 +352,7 @@ class TrainingPeer:
             odd = sum(1 for g in info.gathered.values() if tuple(g.get("state", ())) != before)
             if odd:
                 log.warning(
-                    "round %d: %d group member(s) were out of sync (weight 0 in the mean); they resync",
+                    "round %d: %d group member(s) were out of sync; they catch up or resync",
                     before[0] + 1,
                     odd,
                 )
