@@ -7,6 +7,8 @@ process group it started at teardown (the ``spawn`` fixture in conftest.py).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -261,13 +263,13 @@ def test_bad_initial_peers_fail_fast_with_a_message(spawn, tmp_path, initial, co
 
 
 @pytest.mark.timeout(180)
-def test_sigterm_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tmp_path):
+def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tmp_path):
     from swarm_helpers import live_group_members, wait_until
 
     solo = ["train.outer_steps=5", "swarm.matchmaking_time=1", "swarm.request_timeout=0.5", "swarm.linger_seconds=0"]
     peer = start_peer(spawn, [], tmp_path / "p", *solo)
     peer.wait_for_line(r"^round 2/5 ", timeout=120)
-    peer.popen.send_signal(15)
+    os.killpg(peer.pgid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
     started = time.monotonic()
     assert peer.wait(timeout=60) == 0, peer.describe()
     assert time.monotonic() - started < 45

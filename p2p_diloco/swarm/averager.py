@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import signal
 import threading
@@ -68,6 +69,16 @@ from p2p_diloco.engine import ReduceInfo
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
 _STATE_KEY = "p2p_diloco_state"  # wraps the metadata: hivemind drops a state whose metadata is falsy ({})
+
+
+class _NoGroupIsNotAnError(logging.Filter):
+    """hivemind logs a full traceback each time no group forms; reduce() reports that itself, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "could not find a group" not in record.getMessage()
+
+
+logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNotAnError())
 
 
 def _state_of(payload: Any) -> tuple | None:

@@ -23,6 +23,7 @@ import ipaddress
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -313,20 +314,28 @@ def start_dht(
         if not os.path.isdir(directory):
             raise SwarmSetupError(f"identity file {identity_path!r}: directory {directory!r} does not exist")
 
-    dht = _DHT(
-        initial_peers=peers,
-        start=True,
-        await_ready=False,
-        host_maddrs=host,
-        announce_maddrs=announce,
-        identity_path=identity_path,
-        client_mode=client_mode,
-        record_validators=list(record_validators),
-        ensure_bootstrap_success=True,
-        bootstrap_timeout=join_timeout,
-        startup_timeout=join_timeout,
-        **dht_kwargs,
-    )
+    # The DHT process and its p2pd are started with SIGINT ignored (they inherit it): Ctrl-C in a terminal
+    # signals the whole process group, and only the host should react, by shutting its children down in order.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        dht = _DHT(
+            initial_peers=peers,
+            start=True,
+            await_ready=False,
+            host_maddrs=host,
+            announce_maddrs=announce,
+            identity_path=identity_path,
+            client_mode=client_mode,
+            record_validators=list(record_validators),
+            ensure_bootstrap_success=True,
+            bootstrap_timeout=join_timeout,
+            startup_timeout=join_timeout,
+            **dht_kwargs,
+        )
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
     try:
         dht.wait_until_ready(timeout=2 * join_timeout + 5)
     except BaseException as exc:
