@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
+_saved_path = list(sys.path)
 sys.path.insert(0, str(BENCH))
-
 import render  # noqa: E402
 from benchlib import row  # noqa: E402
+
+sys.path[:] = _saved_path  # scripts/bench holds modules named inner, memory, ...: keep them off the path
 
 
 def _result(item: str, rows: list[dict]) -> dict:

@@ -1,0 +1,427 @@
+"""Shared helpers of the benchmark suite: machine facts, result files, child processes, /proc and ss readers.
+
+Every benchmark module in scripts/bench/ imports this file (it sits beside them, so ``python
+scripts/bench/<item>.py`` finds it). Nothing here measures anything by itself.
+
+Result files: ``scripts/bench/results/<item>.json`` = ``{"item", "machine", "started", "finished",
+"load_before", "load_after", "wall_seconds", "args", "rows": [...], "notes": [...], ...}``. A row is one line
+of BENCHMARKS.md: ``{"figure", "value", "unit", "reference", "reference_value", "ratio", "ratio_kind"}``
+(``ratio_kind`` says which way is better, e.g. "higher is better").
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import queue
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+__all__ = [
+    "BENCH_DIR",
+    "ROOT",
+    "RESULTS_DIR",
+    "Proc",
+    "Recorder",
+    "descendants",
+    "exit_on_sigterm",
+    "free_port",
+    "load_now",
+    "machine",
+    "median",
+    "proc_memory",
+    "row",
+    "single_thread_env",
+    "start_swarm",
+    "tcp_bytes_by_pid",
+]
+
+
+# ------------------------------------------------------------------------------------------------ facts
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(pkg: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, logical cores, memory, GPU (if torch sees one), library versions."""
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - a broken CUDA install is "no GPU" here
+        gpu = None
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "hivemind": _version("hivemind"),
+        "kernel": platform.release(),
+    }
+
+
+def load_now() -> dict[str, Any]:
+    """The 1/5/15-minute load averages and the UTC time: the machine is shared, so every result says it."""
+    return {"loadavg": [round(x, 2) for x in os.getloadavg()], "utc": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+
+
+def median(values: Iterable[float]) -> float:
+    vals = [float(v) for v in values]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def row(
+    figure: str,
+    value: float | None,
+    unit: str,
+    reference: str,
+    reference_value: float | None,
+    ratio: float | None,
+    ratio_kind: str,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One line of the BENCHMARKS.md table (see the module docstring)."""
+    return {
+        "figure": figure,
+        "value": value,
+        "unit": unit,
+        "reference": reference,
+        "reference_value": reference_value,
+        "ratio": ratio,
+        "ratio_kind": ratio_kind,
+        **extra,
+    }
+
+
+class Recorder:
+    """Collects a module's rows and notes and writes ``results/<item>.json`` with machine and load facts."""
+
+    def __init__(self, item: str, args: dict[str, Any] | None = None) -> None:
+        self.item, self.args = item, args or {}
+        self.started, self.t0 = load_now(), time.monotonic()
+        self.rows: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.data: dict[str, Any] = {}
+
+    def add(self, **kw: Any) -> None:
+        self.rows.append(row(**kw))
+
+    def write(self, path: Path | None = None) -> Path:
+        target = path or RESULTS_DIR / f"{self.item}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        finished = load_now()
+        payload = {
+            "item": self.item,
+            "machine": machine(),
+            "started": self.started["utc"],
+            "finished": finished["utc"],
+            "load_before": self.started["loadavg"],
+            "load_after": finished["loadavg"],
+            "wall_seconds": round(time.monotonic() - self.t0, 1),
+            "args": self.args,
+            "rows": self.rows,
+            "notes": self.notes,
+            **self.data,
+        }
+        tmp = target.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=2, default=str))
+        tmp.replace(target)
+        return target
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+def single_thread_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child that must not use more than ``threads`` cores (torch reads OMP_NUM_THREADS)."""
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(BENCH_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if extra:
+        env.update(extra)
+    return env
+
+
+class Proc:
+    """A child in its own session (so its whole process group can be killed); stdout lines are queued."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: bool = False) -> None:
+        self.args = list(args)
+        self.popen = subprocess.Popen(
+            self.args,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.pgid = self.popen.pid
+        self.stdout_lines: list[str] = []
+        self.stderr_lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._pump, args=(self.popen.stdout, self.stdout_lines, True), daemon=True),
+            threading.Thread(target=self._pump, args=(self.popen.stderr, self.stderr_lines, False), daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, stream: Any, sink: list[str], to_queue: bool) -> None:
+        for line in stream:
+            line = line.rstrip("\n")
+            sink.append(line)
+            if to_queue:
+                self._queue.put(line)
+        if to_queue:
+            self._queue.put(None)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def send(self, line: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(line + "\n")
+        self.popen.stdin.flush()
+
+    def wait_for_line(self, pattern: str, timeout: float) -> re.Match:
+        """The next stdout line matching ``pattern``; RuntimeError on timeout or EOF (with the child's output)."""
+        deadline, regex = time.monotonic() + timeout, re.compile(pattern)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no line matching {pattern!r} within {timeout:g}s\n{self.describe()}")
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(f"stdout closed before a line matching {pattern!r}\n{self.describe()}")
+            match = regex.search(line)
+            if match:
+                return match
+
+    def next_line(self, timeout: float) -> str | None:
+        """The next stdout line, or None after ``timeout`` seconds (also None once stdout closed)."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait(self, timeout: float) -> int:
+        rc = self.popen.wait(timeout=timeout)
+        for t in self._threads:
+            t.join(timeout=5)
+        return rc
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def describe(self, tail: int = 40) -> str:
+        out = "\n".join(self.stdout_lines[-tail:])
+        err = "\n".join(self.stderr_lines[-tail:])
+        return f"args: {' '.join(self.args)[:300]}\nrc: {self.popen.poll()}\nstdout:\n{out}\nstderr:\n{err}"
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the process group (benchmark modules then clean up their own children), SIGKILL after ``grace``."""
+        try:
+            os.killpg(self.pgid, signal.SIGTERM)
+            self.popen.wait(timeout=grace)
+        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+            pass
+        self.kill_group()
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's process group (its DHT, averager and p2pd children included), reap the leader."""
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that ``finally`` blocks kill the swarms a module started."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------------------------------------ /proc
+
+
+def _stat(pid: int) -> tuple[str, str, int] | None:
+    """(command name, state, parent pid) of ``pid`` or None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 1 :].split()
+    return raw[raw.index("(") + 1 : raw.rindex(")")], fields[0], int(fields[1])
+
+
+def descendants(pid: int) -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command name) of every live descendant of ``pid``."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _stat(int(entry))
+            if info is not None and info[1] != "Z":
+                children.setdefault(info[2], []).append((int(entry), info[0]))
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for child, name in children.get(parent, []):
+            out.append((child, parent, name))
+            todo.append(child)
+    return out
+
+
+def proc_memory(pid: int) -> dict[str, int] | None:
+    """VmHWM (peak RSS), VmRSS and Pss of ``pid`` in bytes; None when the process is gone."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(rest.split()[0]) * 1024
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                out["Pss"] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return out if "VmRSS" in out else None
+
+
+_SS_USER = re.compile(r'\("([^"]+)",pid=(\d+),fd=\d+\)')
+
+
+def tcp_bytes_by_pid() -> dict[int, dict[str, int]]:
+    """TCP payload bytes per process from ``ss -tinpH`` (kernel tcp_info bytes_sent / bytes_received).
+
+    Counts bytes of the sockets open now: a connection closed between two readings loses its count. On
+    loopback these are the bytes the process handed to TCP (for p2pd: libp2p framing and encryption
+    included; the unix socket between Python and p2pd is not TCP and not counted).
+    """
+    try:
+        text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out: dict[int, dict[str, int]] = {}
+    pids: list[int] = []
+    for line in text.splitlines():
+        if not line.startswith((" ", "\t")):  # a socket line; its tcp_info follows on the next line
+            pids = sorted({int(m.group(2)) for m in _SS_USER.finditer(line)})
+            continue
+        sent = re.search(r"\bbytes_sent:(\d+)", line)
+        recv = re.search(r"\bbytes_received:(\d+)", line)
+        for pid in pids:
+            acc = out.setdefault(pid, {"sent": 0, "received": 0, "sockets": 0})
+            acc["sent"] += int(sent.group(1)) if sent else 0
+            acc["received"] += int(recv.group(1)) if recv else 0
+            acc["sockets"] += 1
+        pids = []
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ swarms
+
+
+def start_swarm(
+    config: str,
+    overrides: Sequence[str],
+    log_dirs: Sequence[Path],
+    per_peer: Sequence[Sequence[str]] = (),
+    threads: int = 1,
+    python: str = sys.executable,
+) -> tuple[Proc, list[Proc]]:
+    """A bootstrap node plus one ``run_peer`` process per log dir, all on 127.0.0.1 (the tests' recipe).
+
+    ``overrides`` go to every peer as ``--set``; ``per_peer[k]`` adds peer k's own. Returns (bootstrap,
+    peers); the caller waits for the peers and kill_group()s everything.
+    """
+    env = single_thread_env(threads)
+    local = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    boot = Proc([python, "-m", "peers.run_bootstrap", *local], env=env)
+    try:
+        line = boot.wait_for_line(r"^--initial-peers ", timeout=90).string
+    except BaseException:
+        boot.kill_group()
+        raise
+    initial = line.split()[1:]
+    peers = []
+    for k, log_dir in enumerate(log_dirs):
+        sets: list[str] = []
+        for o in (*overrides, *(per_peer[k] if k < len(per_peer) else ())):
+            sets += ["--set", o]
+        args = [python, "-m", "peers.run_peer", "--config", config, "--log-dir", str(log_dir), *local, *sets]
+        peers.append(Proc([*args, "--initial-peers", *initial], env=env))
+    return boot, peers
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

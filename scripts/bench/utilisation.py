@@ -1,0 +1,249 @@
+"""Item 3: compute utilisation of training peers: the share of a peer's wall time spent in inner steps.
+
+Usage:
+    python scripts/bench/utilisation.py                          # tiny and small, H in {10, 100, 500}
+    python scripts/bench/utilisation.py --case tiny:configs/tiny.yaml --h 100 --rounds 3 --peers 3
+
+Each case starts a bootstrap node and ``--peers`` real ``run_peer`` processes on 127.0.0.1 (one data shard
+each, ``swarm.target_group_size = min_group_size = peers``, so a group forms as soon as every peer is
+ready; ``matchmaking_time`` 60 s so a peer that is a little late is waited for rather than left out;
+no evaluation or checkpoints, so only the round's own work counts). From each peer's metrics.jsonl, over
+the rounds after the first (the first one also absorbs the peers' staggered start-up):
+    utilisation (wall)   = sum(compute_seconds) / (time of the last record - time of the first record)
+    utilisation (rounds) = sum(compute_seconds) / sum(round_seconds)
+The wall figure is the stricter one (it also counts publishing the per-round record in the DHT), and the
+table shows it, averaged over peers, with the per-round breakdown (compute, matchmaking = waiting for the
+group, all-reduce, the rest). A run of a single round (the default for small at H=500, whose round takes
+minutes on CPU) gives that round's compute_seconds / round_seconds and is labelled so: it includes waiting
+for the other peers' start-up. Peers run with one torch thread each: ``peers`` processes share this
+machine's cores, so compute is slower than on a dedicated core and the figures are what this machine gives.
+The small config runs at batch 1 x 32 on CPU (its own 16 x 256 takes about 1 s per step per core): less
+compute per round makes its utilisation figures lower bounds for the real batch.
+Output: scripts/bench/results/utilisation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import Recorder, exit_on_sigterm, read_jsonl, start_swarm  # noqa: E402
+
+# name:config[:k=v,k=v]; rounds per H (the first round is not counted when there are 2 or more)
+DEFAULT_CASES = [
+    "tiny:configs/tiny.yaml",
+    "small:configs/small.yaml:data.batch_size=1,data.seq_len=32",
+]
+DEFAULT_ROUNDS = {"tiny": {10: 4, 100: 3, 500: 2}, "small": {10: 3, 100: 2, 500: 1}}
+
+
+def swarm_overrides(h: int, rounds: int, peers: int) -> list[str]:
+    return [
+        f"inner.steps={h}",
+        f"train.outer_steps={rounds}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "logging.progress_bar=false",
+        f"data.num_shards={peers}",
+        f"swarm.run_id=util{uuid.uuid4().hex[:8]}",
+        f"swarm.target_group_size={peers}",
+        f"swarm.min_group_size={peers}",
+        "swarm.matchmaking_time=60",
+        "swarm.request_timeout=5",
+        "swarm.allreduce_timeout=120",
+        "swarm.next_chunk_timeout=30",
+        "swarm.round_deadline=900",
+        "swarm.join_timeout=90",
+        "swarm.state_timeout=60",
+        "swarm.linger_seconds=0",
+    ]
+
+
+def analyse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Utilisation of one peer from its metrics.jsonl records.
+
+    With 2+ rounds: over rounds 2..R (wall between the first and the last record, and summed round_seconds).
+    With 1 round: that round's compute_seconds / round_seconds (``first_round_only``: it includes waiting
+    for the other peers' start-up).
+    """
+    if not records:
+        return None
+    first_only = len(records) < 2
+    later = records if first_only else records[1:]
+    compute = sum(r["compute_seconds"] for r in later)
+    rounds = sum(r["round_seconds"] for r in later)
+    wall = rounds if first_only else records[-1]["time"] - records[0]["time"]
+    mm = sum(r["matchmaking_seconds"] for r in later)
+    ar = sum(r["allreduce_seconds"] for r in later)
+    n = len(later)
+    return {
+        "first_round_only": first_only,
+        "rounds_counted": n,
+        "counted_steps": [r["outer_step"] for r in later],
+        "utilisation_wall": compute / wall if wall > 0 else None,
+        "utilisation_rounds": compute / rounds if rounds > 0 else None,
+        "compute_per_round": compute / n,
+        "matchmaking_per_round": mm / n,
+        "allreduce_per_round": ar / n,
+        "other_per_round": (wall - compute - mm - ar) / n,
+        "wall_per_round": wall / n,
+        "matchmaking_by_step": {r["outer_step"]: r["matchmaking_seconds"] for r in later},
+        "first_round": {k: records[0][k] for k in ("compute_seconds", "matchmaking_seconds", "allreduce_seconds")},
+        "group_sizes": [r["group_size"] for r in records],
+        "complete": [r["reduce_complete"] for r in records],
+        "attempts": [r["reduce_attempts"] for r in records],
+        "tokens_per_second": sum(r["tokens_per_second"] for r in later) / n,
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
+    }
+
+
+def protocol_matchmaking(stats: list[dict[str, Any]]) -> float | None:
+    """Mean over counted rounds of the smallest matchmaking time in the group: the peer that was ready last
+    waited for nobody, so its matchmaking is the protocol's own latency; the rest of the others' matchmaking
+    is waiting for that peer (a straggler wait)."""
+    steps = set.intersection(*(set(s["matchmaking_by_step"]) for s in stats)) if stats else set()
+    if not steps:
+        return None
+    return sum(min(s["matchmaking_by_step"][k] for s in stats) for k in steps) / len(steps)
+
+
+def run_case(
+    name: str, config: str, sets: list[str], h: int, rounds: int, peers: int, timeout: float, workdir: Path
+) -> dict[str, Any]:
+    dirs = [workdir / f"{name}_h{h}_peer{k}" for k in range(peers)]
+    overrides = [*sets, *swarm_overrides(h, rounds, peers)]
+    per_peer = [[f"data.shard_index={k}"] for k in range(peers)]
+    t0 = time.monotonic()
+    boot, procs = start_swarm(config, overrides, dirs, per_peer)
+    problem = ""
+    try:
+        deadline = t0 + timeout
+        for k, p in enumerate(procs):
+            left = deadline - time.monotonic()
+            try:
+                rc = p.wait(timeout=max(1.0, left))
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: the budget is spent
+                problem = f"peer {k} still running after {timeout:.0f}s; stopped"
+                break
+            if rc != 0:
+                problem = f"peer {k} exited with {rc}: {p.describe(10)}"
+    finally:
+        for p in [*procs, boot]:
+            p.kill_group()
+    per_peer_stats = [analyse(read_jsonl(d / "metrics.jsonl")) for d in dirs]
+    ok = [s for s in per_peer_stats if s is not None]
+
+    def mean(key: str) -> float | None:
+        vals = [s[key] for s in ok if s[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    proto = protocol_matchmaking(ok)
+    for st in ok:  # the same peer without its waits for slower peers: what a swarm of equal peers would get
+        steps = set.intersection(*(set(o["matchmaking_by_step"]) for o in ok))
+        wait = sum(st["matchmaking_by_step"][k] - min(o["matchmaking_by_step"][k] for o in ok) for k in steps)
+        compute, wall = st["compute_per_round"] * st["rounds_counted"], st["wall_per_round"] * st["rounds_counted"]
+        st["straggler_wait"] = wait
+        st["utilisation_without_straggler_wait"] = compute / (wall - wait) if wall > wait else None
+    return {
+        "case": name,
+        "config": config,
+        "overrides": sets,
+        "h": h,
+        "rounds": rounds,
+        "peers": peers,
+        "wall_seconds": time.monotonic() - t0,
+        "problem": problem,
+        "per_peer": per_peer_stats,
+        "utilisation_wall": mean("utilisation_wall"),
+        "utilisation_wall_min": min((s["utilisation_wall"] for s in ok), default=None),
+        "utilisation_rounds": mean("utilisation_rounds"),
+        "utilisation_without_straggler_wait": mean("utilisation_without_straggler_wait"),
+        "compute_per_round": mean("compute_per_round"),
+        "matchmaking_per_round": mean("matchmaking_per_round"),
+        "matchmaking_protocol_per_round": proto,
+        "first_round_only": any(s["first_round_only"] for s in ok),
+        "allreduce_per_round": mean("allreduce_per_round"),
+        "other_per_round": mean("other_per_round"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--case", action="append", default=None, help="name:config[:k=v,k=v] (repeatable)")
+    p.add_argument("--h", type=int, nargs="+", default=[10, 100, 500])
+    p.add_argument(
+        "--rounds", type=int, default=None, help="rounds per run (default: tiny 4/3/2, small 3/2/1 for H 10/100/500)"
+    )
+    p.add_argument("--peers", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per swarm run")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="extra overrides for every peer")
+    p.add_argument("--item", default="utilisation", help="result name (results/<item>.json)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    exit_on_sigterm()
+    rec = Recorder(args.item, vars(args))
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="bench_util_") as tmp:
+        for spec in args.case or DEFAULT_CASES:
+            name, config, *rest = spec.split(":")
+            sets = [s for s in (rest[0].split(",") if rest else []) if s] + list(args.overrides)
+            for h in args.h:
+                rounds = args.rounds or DEFAULT_ROUNDS.get(name, {}).get(h, 2)
+                print(f"utilisation: {name} H={h}, {rounds} rounds, {args.peers} peers", flush=True)
+                c = run_case(name, config, sets, h, rounds, args.peers, args.timeout, Path(tmp))
+                cases.append(c)
+                u = c["utilisation_wall"]
+                counted = f"{rounds - 1} round{'s' if rounds > 2 else ''} counted"
+                if c["first_round_only"]:
+                    counted = "1 round only: includes waiting for the other peers' start-up"
+                print(
+                    f"  utilisation {u if u is None else round(u, 4)} (rounds-based {c['utilisation_rounds']}),"
+                    f" {c['wall_seconds']:.0f}s {c['problem'][:300]}",
+                    flush=True,
+                )
+                if u is None:
+                    rec.notes.append(f"{name} H={h}: not measured ({c['problem'] or 'fewer than 2 rounds'})")
+                    continue
+                batch = next((s for s in sets if "batch_size" in s), None)
+                shrunk = f", batch shrunk ({', '.join(sets)})" if batch else ""
+                u_nsw = c["utilisation_without_straggler_wait"]
+                nsw = "-" if u_nsw is None else f"{100 * u_nsw:.1f}% without waiting for slower peers"
+                rec.add(
+                    figure=f"{name}, H={h}, {args.peers} peers{shrunk}: compute share of wall ({nsw}); per round "
+                    f"compute {c['compute_per_round']:.1f}s, matchmaking {c['matchmaking_per_round']:.2f}s "
+                    f"(protocol {c['matchmaking_protocol_per_round']:.2f}s, the rest waiting for the slowest peer), "
+                    f"all-reduce {c['allreduce_per_round']:.2f}s, other {c['other_per_round']:.2f}s ({counted})",
+                    value=u,
+                    unit="share",
+                    reference="all wall time in inner steps",
+                    reference_value=1.0,
+                    ratio=u,
+                    ratio_kind="utilisation (target >= 0.99 at H=100)",
+                    min_over_peers=c["utilisation_wall_min"],
+                    rounds_based=c["utilisation_rounds"],
+                    without_straggler_wait=c["utilisation_without_straggler_wait"],
+                )
+    rec.data["cases"] = cases
+    rec.notes.append(
+        "Utilisation = sum of compute_seconds over rounds 2..R divided by the wall time between the first and the "
+        "last round's record, averaged over the peers (rounds-based figure and per-peer minimum in the JSON). "
+        "No evaluation, no checkpoints. Peers share the machine's cores (1 torch thread each), so their compute "
+        "speeds differ from round to round and the faster ones wait for the slowest inside matchmaking; 'without "
+        "waiting for slower peers' removes, per round, each peer's matchmaking beyond the group's smallest "
+        "(the protocol's own latency, paid by the last peer to arrive). 'other' = wall - compute - matchmaking - "
+        "all-reduce: pseudo-gradient, copies and finite checks around the all-reduce, outer step, two sha256 "
+        "checksums of the outer state, DHT record publishing."
+    )
+    path = rec.write(args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
