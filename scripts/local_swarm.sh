@@ -134,6 +134,8 @@ until "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], 
   sleep 0.5
 done
 
+# Several peers share this machine: one OpenMP thread each (oversubscribed OpenMP threads spin-wait).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 PEER_PIDS=()
 for ((k = 0; k < PEERS; k++)); do
   mkdir -p "$RUN_DIR/peer$k"

@@ -73,6 +73,14 @@ def wait_until(predicate, timeout: float, poll: float = 0.1) -> bool:
         time.sleep(poll)
 
 
+def _child_env(env: dict[str, str] | None) -> dict[str, str]:
+    """One torch/OpenMP thread per child: several peers share this machine's cores, and OpenMP threads that
+    spin-wait for descheduled siblings make an oversubscribed peer many times slower."""
+    merged = dict(os.environ if env is None else env)
+    merged.setdefault("OMP_NUM_THREADS", "1")
+    return merged
+
+
 class Proc:
     """A child process in its own session; stdout lines go to a queue, stderr is collected."""
 
@@ -81,7 +89,7 @@ class Proc:
         self.popen = subprocess.Popen(
             args,
             cwd=REPO_ROOT,
-            env=env,
+            env=_child_env(env),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
