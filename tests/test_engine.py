@@ -27,7 +27,9 @@ def _batches(seed, vocab=257, shape=(4, 32)):
 
 def test_one_worker_lr1_no_momentum_equals_plain_adamw():
     """Invariant 1: R rounds of H steps with outer SGD lr 1, momentum 0 = R*H steps of plain AdamW."""
-    cfg = load_config(TINY, ["inner.steps=4", "train.outer_steps=3", "outer.lr=1", "outer.momentum=0"])
+    cfg = load_config(
+        TINY, ["inner.steps=4", "train.outer_steps=3", "outer.lr=1", "outer.momentum=0", "outer.lr_warmup_rounds=0"]
+    )
     worker = Worker(cfg, 257, _batches(0))
     for _ in range(3):
         worker.train_inner()
@@ -87,7 +89,7 @@ def test_h1_inner_sgd_equals_synchronous_data_parallel(tmp_path):
     ]
     cfg = load_config(TINY, sets)
     simulate(
-        dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, lr=1.0, momentum=0.0)),
+        dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, lr=1.0, momentum=0.0, lr_warmup_rounds=0)),
         "diloco",
         3,
         tmp_path / "diloco",
@@ -103,7 +105,12 @@ def test_h1_inner_sgd_equals_synchronous_data_parallel(tmp_path):
 
 def test_diloco_lr1_momentum0_reproduces_fedavg_exactly(tmp_path):
     sets = ["inner.steps=5", "train.outer_steps=3", *FAST]
-    simulate(load_config(TINY, [*sets, "outer.lr=1", "outer.momentum=0"]), "diloco", 2, tmp_path / "d")
+    simulate(
+        load_config(TINY, [*sets, "outer.lr=1", "outer.momentum=0", "outer.lr_warmup_rounds=0"]),
+        "diloco",
+        2,
+        tmp_path / "d",
+    )
     simulate(load_config(TINY, sets), "fedavg", 2, tmp_path / "f")
     d = json.loads((tmp_path / "d" / "results.json").read_text())
     f = json.loads((tmp_path / "f" / "results.json").read_text())

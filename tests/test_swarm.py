@@ -34,7 +34,7 @@ FAST = [
     "swarm.request_timeout=3",
     "swarm.allreduce_timeout=15",
     "swarm.next_chunk_timeout=5",
-    "swarm.round_deadline=40",
+    "swarm.round_deadline=90",
     "swarm.join_timeout=30",
     "swarm.state_timeout=15",
 ]

@@ -99,6 +99,7 @@ class TrainingPeer:
         self._lock = threading.Lock()  # guards the outer state against the state-sharing thread
         self.dht = self.averager = None
         self.total_tokens = 0
+        self.consensus = True  # our outer state came out of a complete group (or the seed, or a download)
         self.rounds_done = 0
 
     # ------------------------------------------------------------------ setup
@@ -224,11 +225,17 @@ class TrainingPeer:
     def _share_state(self) -> tuple[dict, list[torch.Tensor]]:
         with self._lock:
             state = self.worker.state
-            meta = {"outer_step": state.step, "checksum": state.checksum(), "fingerprint": self.fingerprint}
+            meta = {
+                "outer_step": state.step,
+                "checksum": state.checksum(),
+                "fingerprint": self.fingerprint,
+                "consensus": self.consensus,
+            }
             return meta, [t.clone() for t in state.tensors()]
 
-    def _fetch_state(self) -> OuterState | None:
-        """The outer state of the most advanced peer that shares it, checked (fingerprint, checksum); or None."""
+    def _fetch_state(self) -> tuple[OuterState, bool] | None:
+        """The outer state of the most advanced peer that shares it, checked (fingerprint, checksum), and whether
+        it came out of a complete group (not a local step); or None."""
         got = self.averager.load_state(self.cfg.swarm.state_timeout)
         if got is None:
             return None
@@ -240,9 +247,10 @@ class TrainingPeer:
         if state.checksum() != meta.get("checksum"):
             log.warning("downloaded outer state fails its checksum; ignored")
             return None
-        return state
+        return state, bool(meta.get("consensus", True))
 
-    def _adopt(self, state: OuterState) -> None:
+    def _adopt(self, state: OuterState, consensus: bool = True) -> None:
+        self.consensus = consensus
         with self._lock:
             self.worker.load_state(state)
         self.averager.state_sharing_priority = float(state.step)
@@ -250,23 +258,39 @@ class TrainingPeer:
 
     def _download_state(self, min_step: int = 0) -> bool:
         """Adopt the outer state of a peer (the most advanced one sharing) if it is at ``min_step`` or later."""
-        state = self._fetch_state()
-        if state is None:
+        fetched = self._fetch_state()
+        if fetched is None:
             return False
+        state, consensus = fetched
         if state.step < min_step:
             log.info("the state offered is at step %d, behind this peer's %d; kept ours", state.step, min_step)
             return False
-        self._adopt(state)
+        self._adopt(state, consensus)
         return True
+
+    def _resync_after_local_step(self) -> bool:
+        """Adopt a peer's state that is ahead, or at our step and from a complete group. Two peers that both
+        stepped alone keep the state with the smaller checksum, so they never swap states."""
+        fetched, mine = self._fetch_state(), self.worker.state
+        if fetched is None:
+            return False
+        state, consensus = fetched
+        same_step_better = state.step == mine.step and (consensus or state.checksum() < mine.checksum())
+        if state.step > mine.step or same_step_better:
+            self._adopt(state, consensus)
+            return True
+        return False
 
     def _catch_up(self, majority: tuple, avg: list[torch.Tensor]) -> bool:
         """One round behind, our Δ counted: take the group's pre-round state and apply the same Δ̄ to it (or
         take its post-round state if the donor already applied it). Ends bitwise equal to the group."""
-        state = self._fetch_state()
+        fetched = self._fetch_state()
+        state = fetched[0] if fetched is not None else None
         if state is not None and (state.step, state.checksum()) == tuple(majority):
             with self._lock:
                 self.worker.load_state(state)
                 self.worker.apply_outer(avg)
+                self.consensus = True
             self.averager.state_sharing_priority = float(self.worker.state.step)
             return True
         if state is not None and state.step == majority[0] + 1:
@@ -367,12 +391,13 @@ class TrainingPeer:
         try:
             with self._lock:
                 lr = w.apply_outer(avg)
+                self.consensus = info.complete
         except NonFiniteUpdateError as exc:
             log.error("round %d discarded: %s", before[0] + 1, exc)
             return None
         if not info.complete and self._others():
             # others are training: adopt their state if they got past this round (the local step is dropped)
-            if self._download_state(min_step=w.state.step):
+            if self._resync_after_local_step():
                 info.reason += "; resynced from a peer after the local step"
         self.averager.state_sharing_priority = float(w.state.step)
         evals = w.maybe_evaluate(self.eval_sets)
