@@ -45,8 +45,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import signal
-import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -65,6 +63,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
 
 from p2p_diloco.engine import ReduceInfo
+from p2p_diloco.swarm.dht import children_ignore_sigint
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
@@ -244,13 +243,8 @@ class PseudoGradAverager(DecentralizedAverager):
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """Like hivemind's, minus its side effect: it leaves SIGINT ignored in the HOST process for good."""
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # the child inherits SIG_IGN
-        try:
+        with children_ignore_sigint():
             self.start()
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
         if await_ready:
             self.wait_until_ready(timeout)
 

@@ -19,19 +19,21 @@ hivemind facts this module relies on (hivemind 1.1.12):
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from hivemind.dht import DHT
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 
 __all__ = [
+    "children_ignore_sigint",
     "ENV_INITIAL_PEERS",
     "EXAMPLE_MADDR",
     "DEFAULT_HOST_MADDRS",
@@ -273,6 +275,21 @@ def _unreachable_message(initial_peers: Sequence[str], join_timeout: float, deta
     )
 
 
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside this block inherit SIGINT ignored (p2pd too, across exec): Ctrl-C in a terminal
+    signals the whole process group, and only the host should react, by shutting its children down in order.
+    The host's own handler is restored on exit. Outside the main thread (no signal handling) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def start_dht(
     initial_peers: Sequence[str],
     *,
@@ -314,11 +331,7 @@ def start_dht(
         if not os.path.isdir(directory):
             raise SwarmSetupError(f"identity file {identity_path!r}: directory {directory!r} does not exist")
 
-    # The DHT process and its p2pd are started with SIGINT ignored (they inherit it): Ctrl-C in a terminal
-    # signals the whole process group, and only the host should react, by shutting its children down in order.
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
+    with children_ignore_sigint():
         dht = _DHT(
             initial_peers=peers,
             start=True,
@@ -333,9 +346,6 @@ def start_dht(
             startup_timeout=join_timeout,
             **dht_kwargs,
         )
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
     try:
         dht.wait_until_ready(timeout=2 * join_timeout + 5)
     except BaseException as exc:
