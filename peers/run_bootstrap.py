@@ -32,6 +32,7 @@ import time
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.swarm.dht import (
     SwarmSetupError,
+    add_initial_peers_argument,
     initial_peers_from_env,
     initial_peers_line,
     parse_initial_peers,
@@ -63,14 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="private key file, created if missing: keeps the same peer id across restarts",
     )
-    parser.add_argument(
-        "--initial-peers",
-        "--initial_peers",
-        dest="initial_peers",
-        nargs="*",
-        metavar="MADDR",
-        help="other bootstrap nodes to link with (default: $P2P_DILOCO_INITIAL_PEERS)",
-    )
+    add_initial_peers_argument(parser, "other bootstrap nodes to link with")
     parser.add_argument(
         "--join-timeout",
         type=float,

@@ -32,6 +32,7 @@ from p2p_diloco.plots import write_plots
 from p2p_diloco.swarm.dht import (
     SwarmSetupError,
     SwarmUnreachableError,
+    add_initial_peers_argument,
     initial_peers_from_env,
     parse_initial_peers,
     shutdown_dht,
@@ -48,15 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    p.add_argument(
-        "--initial-peers",
-        "--initial_peers",
-        dest="initial_peers",
-        nargs="*",
-        default=None,
-        metavar="MADDR",
-        help="multiaddrs of running peers (default: $P2P_DILOCO_INITIAL_PEERS)",
-    )
+    add_initial_peers_argument(p)
     p.add_argument("--out", type=Path, help="directory for monitor.jsonl (and plots/)")
     p.add_argument("--run-id", default=SwarmConfig().run_id, help="the peers' swarm.run_id (default %(default)s)")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (default %(default)s)")

@@ -22,7 +22,13 @@ from pathlib import Path
 
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.data import DataError
-from p2p_diloco.swarm.dht import SwarmSetupError, SwarmUnreachableError, initial_peers_from_env, parse_initial_peers
+from p2p_diloco.swarm.dht import (
+    SwarmSetupError,
+    SwarmUnreachableError,
+    add_initial_peers_argument,
+    initial_peers_from_env,
+    parse_initial_peers,
+)
 from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
 
 
@@ -33,15 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    p.add_argument(
-        "--initial-peers",
-        "--initial_peers",
-        dest="initial_peers",
-        nargs="*",
-        default=None,
-        metavar="MADDR",
-        help="multiaddrs of running peers (default: $P2P_DILOCO_INITIAL_PEERS)",
-    )
+    add_initial_peers_argument(p)
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm; no initial peers needed")
     p.add_argument("--config", required=True, help="YAML preset, e.g. configs/tiny.yaml")
     p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl, run metadata and checkpoints")

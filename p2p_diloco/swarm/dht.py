@@ -33,6 +33,7 @@ from hivemind.dht import DHT
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 
 __all__ = [
+    "add_initial_peers_argument",
     "children_ignore_sigint",
     "ENV_INITIAL_PEERS",
     "EXAMPLE_MADDR",
@@ -106,6 +107,20 @@ def parse_initial_peers(values: Sequence[str]) -> list[str]:
         if text not in peers:
             peers.append(text)
     return peers
+
+
+def add_initial_peers_argument(parser: Any, help: str = "multiaddrs of running peers") -> None:
+    """``--initial-peers`` (also ``--initial_peers``) for an argparse parser; None when not given, so the
+    caller can fall back to :func:`initial_peers_from_env`."""
+    parser.add_argument(
+        "--initial-peers",
+        "--initial_peers",
+        dest="initial_peers",
+        nargs="*",
+        default=None,
+        metavar="MADDR",
+        help=f"{help} (default: ${ENV_INITIAL_PEERS})",
+    )
 
 
 def initial_peers_from_env(environ: dict[str, str] | None = None) -> list[str]:
