@@ -1,9 +1,12 @@
-"""Atomic save and load of the outer state.
+"""Atomic save and load of the outer state, and of what only this worker holds.
 
-Inputs:  an OuterState (anchor + momentum, fp32 CPU) and a JSON-able metadata dict (step, config, ...).
-Output:  DIR/outer_state.safetensors (tensors ``anchor.K`` and ``momentum.K``) and DIR/outer_state.json
-         (``step``, ``checksum``, ``num_tensors`` and the caller's metadata). ``latest_checkpoint`` finds
-         the newest ``round_NNNNNN`` directory under a root.
+Inputs:  an OuterState (anchor + momentum, fp32 CPU), a JSON-able metadata dict (step, config, ...) and
+         optionally the worker's own state (``Worker.local_state()``: inner AdamW moments and its place
+         in its data shard), which no other peer can give back after a restart.
+Output:  DIR/outer_state.safetensors (tensors ``anchor.K`` and ``momentum.K``), DIR/outer_state.json
+         (``step``, ``checksum``, ``num_tensors`` and the caller's metadata) and, when given,
+         DIR/worker_state.pt (torch.save of tensors, numbers and lists only; loaded with
+         ``weights_only``). ``latest_checkpoint`` finds the newest ``round_NNNNNN`` directory under a root.
 State:   none.
 Failure: each file is written to a temporary name and renamed, and the directory is renamed into place
          last, so a save killed half-way never replaces or corrupts the last good checkpoint.
@@ -18,21 +21,36 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from p2p_diloco.outer import OuterState
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_outer_state", "save_outer_state", "save_round"]
+__all__ = [
+    "CheckpointError",
+    "latest_checkpoint",
+    "load_outer_state",
+    "load_worker_state",
+    "save_outer_state",
+    "save_round",
+]
 
-TENSORS, META = "outer_state.safetensors", "outer_state.json"
+TENSORS, META, WORKER = "outer_state.safetensors", "outer_state.json", "worker_state.pt"
+_FALLBACK = "delete that directory to resume from the round before it"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial or does not match what it claims to hold."""
 
 
-def save_outer_state(directory: str | Path, state: OuterState, metadata: dict[str, Any] | None = None) -> Path:
-    """Write ``state`` into ``directory`` atomically (the directory appears whole or not at all)."""
+def save_outer_state(
+    directory: str | Path,
+    state: OuterState,
+    metadata: dict[str, Any] | None = None,
+    worker_state: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``state`` (and ``worker_state``) into ``directory`` atomically: it appears whole or not at all."""
     target = Path(directory)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -43,7 +61,11 @@ def save_outer_state(directory: str | Path, state: OuterState, metadata: dict[st
     save_file(tensors, str(tmp / TENSORS))
     meta = {**(metadata or {}), "step": state.step, "checksum": state.checksum(), "num_tensors": half}
     (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
-    for name in (TENSORS, META):
+    names = [TENSORS, META]
+    if worker_state is not None:
+        torch.save(worker_state, tmp / WORKER)
+        names.append(WORKER)
+    for name in names:
         with open(tmp / name, "rb") as f:
             os.fsync(f.fileno())
     if target.exists():
@@ -68,18 +90,37 @@ def load_outer_state(directory: str | Path) -> tuple[OuterState, dict[str, Any]]
         n = int(meta["num_tensors"])
         anchor = [tensors[f"anchor.{k}"] for k in range(n)]
         momentum = [tensors[f"momentum.{k}"] for k in range(n)]
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {directory} is unreadable: {exc}") from None
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        raise CheckpointError(f"checkpoint {directory} is unreadable ({exc}): {_FALLBACK}") from None
     state = OuterState(anchor=anchor, momentum=momentum, step=int(meta["step"]))
     if state.checksum() != meta.get("checksum"):
-        raise CheckpointError(f"checkpoint {directory} fails its checksum: the files do not match each other")
+        raise CheckpointError(
+            f"checkpoint {directory} fails its checksum (the files do not match each other): {_FALLBACK}"
+        )
     return state, meta
 
 
-def save_round(root: str | Path, state: OuterState, metadata: dict[str, Any] | None = None, keep: int = 3) -> Path:
+def load_worker_state(directory: str | Path) -> dict[str, Any] | None:
+    """The worker state saved beside the outer state, or None when the checkpoint has none."""
+    path = Path(directory) / WORKER
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # torch raises pickle, zip and runtime errors for a damaged file
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({exc}): delete it to resume without it") from None
+
+
+def save_round(
+    root: str | Path,
+    state: OuterState,
+    metadata: dict[str, Any] | None = None,
+    keep: int = 3,
+    worker_state: dict[str, Any] | None = None,
+) -> Path:
     """Save as ROOT/round_NNNNNN and keep only the ``keep`` newest rounds."""
     root = Path(root)
-    path = save_outer_state(root / f"round_{state.step:06d}", state, metadata)
+    path = save_outer_state(root / f"round_{state.step:06d}", state, metadata, worker_state)
     rounds = sorted(p for p in root.glob("round_*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
     for old in rounds[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -2,8 +2,10 @@
 
 Inputs:  a Config, a DataPipeline shard iterator (int64 [B, T] batches), a Reducer.
 Output:  RoundResult per round (inner stats, reduce info, eval losses, checksum of the outer state).
-State:   the worker's model θ (on its device), its inner optimizer (kept across rounds) and its copy of
-         the replicated OuterState (anchor, momentum, step; fp32 CPU).
+State:   the worker's model θ (on its device), its inner optimizer (kept across rounds), its copy of
+         the replicated OuterState (anchor, momentum, step; fp32 CPU) and the number of batches it has
+         taken from its shard. ``local_state``/``restore_local_state`` carry the parts no other peer
+         holds (AdamW moments, place in the shard) through a checkpoint.
 Failure: NonFiniteLossError (inner) or NonFiniteUpdateError (Δ or Δ̄) abandon the round: θ is reset to
          the unchanged anchor, the outer state is not touched, and the error propagates.
 
@@ -130,10 +132,41 @@ class Worker:
         self.cfg = cfg
         self.device = resolve_device(cfg.model)
         self.model = build_model(cfg.model, vocab_size, cfg.seed)
-        self.batches = batches
+        self.batches_taken = 0
+        self.batches = self._counted(batches)
         total_steps = cfg.train.outer_steps * cfg.inner.steps
         self.inner = InnerOptimizer(self.model, cfg.inner, total_steps)
         self.state = OuterState.from_params(self.model.parameters())
+
+    def _counted(self, batches: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+        for batch in batches:
+            self.batches_taken += 1
+            yield batch
+
+    def local_state(self) -> dict[str, Any]:
+        """What only this worker holds: inner optimizer state and how far into its shard it has read."""
+        return {"inner_optimizer": self.inner.optimizer.state_dict(), "batches_taken": self.batches_taken}
+
+    def restore_local_state(self, saved: dict[str, Any]) -> None:
+        """Continue from ``local_state()`` of an earlier run of this worker: same moments, next batches.
+
+        ValueError (naming what differs) when the saved optimizer does not fit this model.
+        """
+        try:
+            params = [p for group in self.inner.optimizer.param_groups for p in group["params"]]
+            for index, entry in saved["inner_optimizer"]["state"].items():
+                for name, value in entry.items():
+                    if torch.is_tensor(value) and value.dim() and value.shape != params[index].shape:
+                        raise ValueError(
+                            f"{name} of parameter {index} is {list(value.shape)}, the model's is "
+                            f"{list(params[index].shape)}"
+                        )
+            self.inner.optimizer.load_state_dict(saved["inner_optimizer"])
+            skip = int(saved["batches_taken"]) - self.batches_taken
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"saved worker state does not fit this model and optimizer: {exc}") from None
+        for _ in range(skip):
+            next(self.batches)
 
     @property
     def num_params(self) -> int:

@@ -20,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
+from p2p_diloco.checkpoint import CheckpointError
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.data import DataError
 from p2p_diloco.swarm.dht import (
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except SwarmUnreachableError as exc:
         print(f"run_peer: {exc}", file=sys.stderr)
         return 3
-    except (ConfigError, DataError, SwarmSetupError) as exc:
+    except (CheckpointError, ConfigError, DataError, SwarmSetupError) as exc:
         print(f"run_peer: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

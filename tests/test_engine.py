@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.checkpoint import load_outer_state
+from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state, save_round
 from p2p_diloco.config import load_config
 from p2p_diloco.engine import Worker
 from p2p_diloco.inner import lr_at
@@ -72,6 +72,44 @@ class _SelfReducer:
         from p2p_diloco.engine import ReduceInfo
 
         return pseudo_grads, ReduceInfo(group_size=1, complete=True, attempts=1)
+
+
+def _local_round(worker):
+    worker.train_inner()
+    worker.apply_outer(worker.pseudo_grad())
+
+
+def test_resume_from_a_checkpoint_continues_exactly_where_training_stopped(tmp_path):
+    """A checkpoint carries the inner AdamW moments and the place in the shard: resuming is bitwise lossless."""
+    cfg = load_config(TINY, ["inner.steps=3", "train.outer_steps=4", *FAST])
+    straight = Worker(cfg, 257, _batches(2))
+    for _ in range(2):
+        _local_round(straight)
+    save_round(tmp_path, straight.state, worker_state=straight.local_state())
+    for _ in range(2):
+        _local_round(straight)
+
+    def resumed(with_local_state):
+        ckpt = latest_checkpoint(tmp_path)
+        worker = Worker(cfg, 257, _batches(2))
+        worker.load_state(load_outer_state(ckpt)[0])
+        if with_local_state:
+            worker.restore_local_state(load_worker_state(ckpt))
+        for _ in range(2):
+            _local_round(worker)
+        return worker
+
+    again = resumed(with_local_state=True)
+    assert again.batches_taken == straight.batches_taken == 4 * 3
+    assert again.state.checksum() == straight.state.checksum()
+    assert resumed(with_local_state=False).state.checksum() != straight.state.checksum()
+
+    wider = Worker(load_config(TINY, ["model.hidden_size=64", "model.intermediate_size=128"]), 257, _batches(2))
+    with pytest.raises(ValueError, match="does not fit this model"):
+        wider.restore_local_state(load_worker_state(latest_checkpoint(tmp_path)))
+    (latest_checkpoint(tmp_path) / "worker_state.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match="worker_state.pt is unreadable"):
+        load_worker_state(latest_checkpoint(tmp_path))
 
 
 def test_h1_inner_sgd_equals_synchronous_data_parallel(tmp_path):

@@ -99,3 +99,6 @@ def test_checkpoint_round_trip_keep_and_corruption(tmp_path):
         load_outer_state(latest)
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         load_outer_state(tmp_path / "nothing")
+    (latest / "outer_state.safetensors").write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_outer_state(latest)

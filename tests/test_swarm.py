@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -295,5 +296,7 @@ def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tm
     match = again.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
     assert int(match.group(1)) == state.step and match.group(2) == state.checksum()
     assert again.wait(timeout=120) == 0, again.describe()
+    resumed = re.search(r"resumed from \S+ \(outer step (\d+), (\d+) batches read\)", again.stderr)
+    assert resumed and int(resumed.group(1)) == state.step and int(resumed.group(2)) > 0, again.stderr
     steps = [r["outer_step"] for r in records(tmp_path / "p")]
     assert steps[-1] == 5 and sorted(set(steps)) == list(range(1, 6)), steps

@@ -2,7 +2,8 @@
 
 Inputs:  a Config, PeerOptions (initial peers, log dir, network flags), a stop Event (set by signals).
 Output:  DIR/metrics.jsonl (one record per round), DIR/run_metadata.json, DIR/checkpoints/round_NNNNNN
-         (every ``train.checkpoint_every`` rounds and at exit), the same round summary in the DHT under
+         (every ``train.checkpoint_every`` rounds and at exit; the outer state plus this worker's inner
+         AdamW state and place in its shard, so --resume loses nothing), the same round summary in the DHT under
          ``{run_id}_metrics`` (signed, one subkey per peer), and one console line per round.
 State:   the Worker (model, inner AdamW, OuterState), the DHT node and the PseudoGradAverager processes.
 Failure: SwarmSetupError / SwarmUnreachableError while joining (bad address, nobody answered, state not
@@ -38,7 +39,7 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco import PROTOCOL_VERSION
-from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state, save_round
+from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state, save_round
 from p2p_diloco.config import Config, write_run_metadata
 from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
@@ -189,7 +190,15 @@ class TrainingPeer:
         if ckpt is not None:
             state, meta = load_outer_state(ckpt)
             self.worker.load_state(state)
-            log.info("resumed from %s (outer step %d)", ckpt, state.step)
+            local = load_worker_state(ckpt)
+            if local is None:
+                log.warning("%s holds no worker state: the inner optimizer starts afresh", ckpt)
+            else:
+                try:
+                    self.worker.restore_local_state(local)
+                except ValueError as exc:
+                    raise CheckpointError(f"{ckpt}: {exc}") from None
+            log.info("resumed from %s (outer step %d, %d batches read)", ckpt, state.step, self.worker.batches_taken)
             return
         if self.opts.new_swarm:
             log.info("new swarm: the outer state starts from seed %d", self.cfg.seed)
@@ -480,6 +489,7 @@ class TrainingPeer:
                 self.log_dir / "checkpoints",
                 self.worker.state,
                 {"peer_id": self.peer_id, "fingerprint": self.fingerprint, "config": self.cfg.to_dict()},
+                worker_state=self.worker.local_state(),
             )
 
     def close(self) -> None:
