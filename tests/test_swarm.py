@@ -54,7 +54,9 @@ def start_bootstrap(spawn):
     return boot, line.split()[1:]
 
 
-def start_peer(spawn, initial: list[str], log_dir: Path, *overrides: str, prefix: list[str] | None = None):
+def start_peer(
+    spawn, initial: list[str], log_dir: Path, *overrides: str, prefix: list[str] | None = None, flags: tuple = ()
+):
     args = [
         *(prefix or [sys.executable, "-m", "peers.run_peer"]),
         "--config",
@@ -63,6 +65,7 @@ def start_peer(spawn, initial: list[str], log_dir: Path, *overrides: str, prefix
         str(log_dir),
         *LOCAL,
         *_sets(*overrides),
+        *flags,
     ]
     args += ["--initial-peers", *initial] if initial else ["--new-swarm"]
     return spawn(args)
@@ -279,20 +282,7 @@ def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tm
     state, _ = load_outer_state(saved)
     assert state.step >= 2
 
-    args = [
-        sys.executable,
-        "-m",
-        "peers.run_peer",
-        "--config",
-        str(TINY),
-        "--log-dir",
-        str(tmp_path / "p"),
-        *LOCAL,
-        *_sets(*solo),
-        "--new-swarm",
-        "--resume",
-    ]
-    again = spawn(args)
+    again = start_peer(spawn, [], tmp_path / "p", *solo, flags=("--resume",))
     match = again.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
     assert int(match.group(1)) == state.step and match.group(2) == state.checksum()
     assert again.wait(timeout=120) == 0, again.describe()
@@ -300,3 +290,29 @@ def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tm
     assert resumed and int(resumed.group(1)) == state.step and int(resumed.group(2)) > 0, again.stderr
     steps = [r["outer_step"] for r in records(tmp_path / "p")]
     assert steps[-1] == 5 and sorted(set(steps)) == list(range(1, 6)), steps
+
+
+@pytest.mark.timeout(240)
+def test_resumed_peer_that_fell_behind_takes_the_swarm_state_before_its_first_step(spawn, tmp_path):
+    sets = ["train.outer_steps=10", "train.checkpoint_every=1", "swarm.matchmaking_time=3", "swarm.request_timeout=1"]
+    sets += ["swarm.linger_seconds=60"]
+    first = start_peer(spawn, [], tmp_path / "a", *sets)
+    initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
+    second = start_peer(spawn, initial.split(), tmp_path / "b", *sets)
+    second.wait_for_line(r"^round \d+/10 ", timeout=120)
+    os.killpg(second.pgid, signal.SIGINT)
+    assert second.wait(timeout=60) == 0, second.describe()
+    saved, _ = load_outer_state(latest_checkpoint(tmp_path / "b" / "checkpoints"))
+    first.wait_for_line(rf"^round {saved.step + 2}/10 ", timeout=120)  # the swarm moves on without it
+
+    again = start_peer(spawn, initial.split(), tmp_path / "b", *sets, flags=("--resume",))
+    match = again.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
+    step, checksum = int(match.group(1)), match.group(2)
+    assert step >= saved.step + 2
+    for proc in (first, again):
+        os.killpg(proc.pgid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, proc.describe()
+    assert {r["outer_step"]: r["checksum"] for r in records(tmp_path / "a")}.get(step) == checksum
+    assert re.search(rf"resumed from \S+ \(outer step {saved.step}, [1-9]\d* batches read\)", again.stderr)
+    steps = [r["outer_step"] for r in records(tmp_path / "b")]
+    assert not [s for s in steps if saved.step < s <= step], steps  # no round trained on the stale state

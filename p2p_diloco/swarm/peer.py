@@ -199,6 +199,9 @@ class TrainingPeer:
                 except ValueError as exc:
                     raise CheckpointError(f"{ckpt}: {exc}") from None
             log.info("resumed from %s (outer step %d, %d batches read)", ckpt, state.step, self.worker.batches_taken)
+            ahead = [v.get("step", 0) for v in self._others().values() if v.get("fingerprint") == self.fingerprint]
+            if max(ahead, default=0) > state.step:  # the swarm moved on while we were away: no stale round
+                self._download_state(min_step=state.step + 1)
             return
         if self.opts.new_swarm:
             log.info("new swarm: the outer state starts from seed %d", self.cfg.seed)
