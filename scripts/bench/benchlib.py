@@ -15,18 +15,19 @@ import datetime as _dt
 import json
 import os
 import platform
-import queue
 import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from p2p_diloco import procs
+from p2p_diloco.procs import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = Path(__file__).resolve().parent
@@ -185,113 +186,11 @@ def single_thread_env(threads: int = 1, extra: dict[str, str] | None = None) -> 
     return env
 
 
-class Proc:
-    """A child in its own session (so its whole process group can be killed); stdout lines are queued."""
+class Proc(procs.Proc):
+    """A p2p_diloco.procs.Proc started from the repository root."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: bool = False) -> None:
-        self.args = list(args)
-        self.popen = subprocess.Popen(
-            self.args,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self.pgid = self.popen.pid
-        self.stdout_lines: list[str] = []
-        self.stderr_lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._threads = [
-            threading.Thread(target=self._pump, args=(self.popen.stdout, self.stdout_lines, True), daemon=True),
-            threading.Thread(target=self._pump, args=(self.popen.stderr, self.stderr_lines, False), daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _pump(self, stream: Any, sink: list[str], to_queue: bool) -> None:
-        for line in stream:
-            line = line.rstrip("\n")
-            sink.append(line)
-            if to_queue:
-                self._queue.put(line)
-        if to_queue:
-            self._queue.put(None)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def send(self, line: str) -> None:
-        assert self.popen.stdin is not None
-        self.popen.stdin.write(line + "\n")
-        self.popen.stdin.flush()
-
-    def wait_for_line(self, pattern: str, timeout: float) -> re.Match:
-        """The next stdout line matching ``pattern``; RuntimeError on timeout or EOF (with the child's output)."""
-        deadline, regex = time.monotonic() + timeout, re.compile(pattern)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"no line matching {pattern!r} within {timeout:g}s\n{self.describe()}")
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"stdout closed before a line matching {pattern!r}\n{self.describe()}")
-            match = regex.search(line)
-            if match:
-                return match
-
-    def next_line(self, timeout: float) -> str | None:
-        """The next stdout line, or None after ``timeout`` seconds (also None once stdout closed)."""
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def wait(self, timeout: float) -> int:
-        rc = self.popen.wait(timeout=timeout)
-        for t in self._threads:
-            t.join(timeout=5)
-        return rc
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def describe(self, tail: int = 40) -> str:
-        out = "\n".join(self.stdout_lines[-tail:])
-        err = "\n".join(self.stderr_lines[-tail:])
-        return f"args: {' '.join(self.args)[:300]}\nrc: {self.popen.poll()}\nstdout:\n{out}\nstderr:\n{err}"
-
-    def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the process group (benchmark modules then clean up their own children), SIGKILL after ``grace``."""
-        try:
-            os.killpg(self.pgid, signal.SIGTERM)
-            self.popen.wait(timeout=grace)
-        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-            pass
-        self.kill_group()
-
-    def kill_group(self) -> None:
-        """SIGKILL the child's process group (its DHT, averager and p2pd children included), reap the leader."""
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
+        super().__init__(args, env=env, stdin=stdin, cwd=ROOT)
 
 
 def exit_on_sigterm() -> None:
@@ -310,33 +209,6 @@ def free_port() -> int:
 
 
 # ------------------------------------------------------------------------------------------------ /proc
-
-
-def _stat(pid: int) -> tuple[str, str, int] | None:
-    """(command name, state, parent pid) of ``pid`` or None when it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 1 :].split()
-    return raw[raw.index("(") + 1 : raw.rindex(")")], fields[0], int(fields[1])
-
-
-def descendants(pid: int) -> list[tuple[int, int, str]]:
-    """(pid, parent pid, command name) of every live descendant of ``pid``."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _stat(int(entry))
-            if info is not None and info[1] != "Z":
-                children.setdefault(info[2], []).append((int(entry), info[0]))
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for child, name in children.get(parent, []):
-            out.append((child, parent, name))
-            todo.append(child)
-    return out
 
 
 def proc_memory(pid: int) -> dict[str, int] | None:

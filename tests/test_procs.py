@@ -1,0 +1,50 @@
+"""p2p_diloco.procs: lines read with deadlines, errors that carry the child's output, a group kill that leaves
+nothing behind (a grandchild included)."""
+
+import os
+import sys
+
+import pytest
+
+from p2p_diloco.procs import Proc, ProcessOutputError, descendants, live_group_members, wait_until
+
+# prints a line, starts a grandchild that sleeps in the same process group, then waits for stdin lines
+CHILD = """
+import subprocess, sys, time
+print("ready", flush=True)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print("warn", file=sys.stderr, flush=True)
+for line in sys.stdin:
+    print("echo " + line.strip(), flush=True)
+"""
+
+
+def test_lines_deadlines_and_a_group_kill_that_leaves_nothing():
+    proc = Proc([sys.executable, "-c", CHILD], stdin=True)
+    try:
+        assert proc.wait_for_line(r"^ready$", timeout=30).string == "ready"
+        assert wait_until(lambda: len(descendants(proc.pid)) == 1, 10), descendants(proc.pid)
+        assert {pid for pid, _ in live_group_members(proc.pgid)} == {proc.pid, descendants(proc.pid)[0][0]}
+        proc.send("hello")
+        assert proc.wait_for_line(r"^echo (\w+)$", timeout=30).group(1) == "hello"
+        with pytest.raises(ProcessOutputError, match="no stdout line matching 'never'") as err:
+            proc.wait_for_line("never", timeout=0.3)
+        assert "warn" in str(err.value) and proc.stderr == "warn"  # the message carries the child's output
+        assert proc.alive()
+    finally:
+        proc.kill_group()
+    assert not proc.alive()
+    assert wait_until(lambda: not live_group_members(proc.pgid), 10), live_group_members(proc.pgid)
+
+
+def test_stdout_closing_first_is_reported_and_threads_default_to_one():
+    bare = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    for env, threads in ((bare, "1"), ({**bare, "OMP_NUM_THREADS": "3"}, "3")):
+        proc = Proc([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], env=env)
+        try:
+            assert proc.next_line(timeout=30) == threads
+            with pytest.raises(ProcessOutputError, match="stdout closed"):
+                proc.wait_for_line("more", timeout=30)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            proc.kill_group()
