@@ -166,6 +166,10 @@ class TrainingPeer:
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         return {k: v.value for k, v in entries.items() if k != self.peer_id and isinstance(v.value, dict)}
 
+    def _run_mates(self) -> list[dict]:
+        """The announcements of the other peers of this run that share our fingerprint (can average with us)."""
+        return [v for v in self._others().values() if v.get("fingerprint") == self.fingerprint]
+
     def _check_fingerprints(self) -> None:
         others = self._others()
         differ = {p: v for p, v in others.items() if v.get("fingerprint") != self.fingerprint}
@@ -199,8 +203,8 @@ class TrainingPeer:
                 except ValueError as exc:
                     raise CheckpointError(f"{ckpt}: {exc}") from None
             log.info("resumed from %s (outer step %d, %d batches read)", ckpt, state.step, self.worker.batches_taken)
-            ahead = [v.get("step", 0) for v in self._others().values() if v.get("fingerprint") == self.fingerprint]
-            if max(ahead, default=0) > state.step:  # the swarm moved on while we were away: no stale round
+            # the swarm moved on while we were away: take its state rather than train a stale round
+            if max((v.get("step", 0) for v in self._run_mates()), default=0) > state.step:
                 self._download_state(min_step=state.step + 1)
             return
         if self.opts.new_swarm:
@@ -223,7 +227,7 @@ class TrainingPeer:
         """Hold round 1 until swarm.start_peers peers of this run are up (bounded by swarm.join_timeout)."""
         want, deadline = self.cfg.swarm.start_peers, time.monotonic() + self.cfg.swarm.join_timeout
         while want > 1 and time.monotonic() < deadline and not self.opts.stop.is_set():
-            seen = 1 + sum(1 for v in self._others().values() if v.get("fingerprint") == self.fingerprint)
+            seen = 1 + len(self._run_mates())
             if seen >= want:
                 log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
                 return

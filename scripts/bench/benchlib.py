@@ -192,6 +192,10 @@ class Proc(procs.Proc):
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: bool = False) -> None:
         super().__init__(args, env=env, stdin=stdin, cwd=ROOT)
 
+    def describe(self, tail: int | None = 40) -> str:
+        """As procs.Proc.describe, but the last 40 lines by default: benchmark children are long-running."""
+        return super().describe(tail)
+
 
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit, so that ``finally`` blocks kill the swarms a module started."""
