@@ -39,12 +39,17 @@ class ReduceInfo:
     """What a reduce did. ``complete`` is False when Δ̄ is only this worker's own Δ (alone/failed).
 
     ``gathered`` maps each group member's peer id to its gather payload; ``reason`` says why the result is
-    local, or notes earlier failed attempts. Seconds and bytes are summed over attempts.
+    local, or notes earlier failed attempts. Seconds and bytes are summed over attempts: ``check_seconds``
+    validating the input (shapes, finite, fp32 CPU), ``copy_seconds`` moving it into the transport's buffers and
+    the result back out (with its finite check), ``matchmaking_seconds`` forming the group, ``allreduce_seconds``
+    the exchange itself and the completeness vote.
     """
 
     group_size: int = 1
     complete: bool = False
     attempts: int = 0
+    check_seconds: float = 0.0
+    copy_seconds: float = 0.0
     matchmaking_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     bytes_sent: int = 0

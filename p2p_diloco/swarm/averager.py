@@ -277,9 +277,10 @@ class PseudoGradAverager(DecentralizedAverager):
         self, pseudo_grads: Sequence[torch.Tensor], weight: float, gather: Any = None
     ) -> tuple[list[torch.Tensor], ReduceInfo]:
         """Weighted mean over a complete group, or the local pseudo-gradients; never a partial mean."""
+        start = time.monotonic()
         grads = self._check_inputs(pseudo_grads, weight)
-        info = ReduceInfo(gathered={str(self.peer_id): gather})
-        start, notes = time.monotonic(), []
+        info = ReduceInfo(gathered={str(self.peer_id): gather}, check_seconds=time.monotonic() - start)
+        notes: list[str] = []
         attempt_budget = 2 * self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
         while info.attempts < self.max_reduce_attempts:
             if info.attempts and time.monotonic() + attempt_budget > start + self.round_deadline:
@@ -302,9 +303,11 @@ class PseudoGradAverager(DecentralizedAverager):
         """One step on freshly copied buffers -> (averaged or None, why not, whether a retry makes sense)."""
         if not self.is_alive():
             return None, "the averager process is not running", False
+        t0 = time.monotonic()
         with self.get_tensors() as shared:
             for buf, grad in zip(shared, grads, strict=True):
                 buf.copy_(grad)
+        info.copy_seconds += time.monotonic() - t0
         t0, control = time.monotonic(), None
         # hivemind starts the all-reduce at the leader's deadline; a follower whose own step times out at the
         # same moment leaves a group the others then run without it. One more matchmaking period of slack.
@@ -328,9 +331,12 @@ class PseudoGradAverager(DecentralizedAverager):
         info.bytes_sent, info.bytes_received = info.bytes_sent + out["bytes"], info.bytes_received + out["bytes"]
         if not out["complete"]:
             return None, f"incomplete all-reduce in a group of {out['group_size']}: {out['reason']}", True
+        t0 = time.monotonic()
         with self.get_tensors() as shared:
             averaged = [buf.clone() for buf in shared]
-        if not all(bool(torch.isfinite(t).all()) for t in averaged):
+        finite = all(bool(torch.isfinite(t).all()) for t in averaged)
+        info.copy_seconds += time.monotonic() - t0
+        if not finite:
             return None, "the group's average is not finite", False
         info.group_size, info.gathered = out["group_size"], out["gathered"]
         return averaged, "", False
