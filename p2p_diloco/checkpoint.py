@@ -1,10 +1,10 @@
 """Atomic save and load of the outer state, and of what only this worker holds.
 
-Inputs:  an OuterState (anchor + momentum, fp32 CPU), a JSON-able metadata dict (step, config, ...) and
+Inputs:  an OuterState (anchor + momentum, fp32 CPU), a JSON-able metadata dict (round, config, ...) and
          optionally the worker's own state (``Worker.local_state()``: inner AdamW moments and its place
          in its data shard), which no other peer can give back after a restart.
 Output:  DIR/outer_state.safetensors (tensors ``anchor.K`` and ``momentum.K``), DIR/outer_state.json
-         (``step``, ``checksum``, ``num_tensors`` and the caller's metadata) and, when given,
+         (``round``, ``checksum``, ``num_tensors`` and the caller's metadata) and, when given,
          DIR/worker_state.pt (torch.save of tensors, numbers and lists only; loaded with
          ``weights_only``). ``latest_checkpoint`` finds the newest ``round_NNNNNN`` directory under a root.
 State:   none.
@@ -59,7 +59,7 @@ def save_outer_state(
     tensors = {f"anchor.{k}": t.contiguous() for k, t in enumerate(state.anchor)}
     tensors.update({f"momentum.{k}": t.contiguous() for k, t in enumerate(state.momentum)})
     save_file(tensors, str(tmp / TENSORS))
-    meta = {**(metadata or {}), "step": state.step, "checksum": state.checksum(), "num_tensors": half}
+    meta = {**(metadata or {}), "round": state.round, "checksum": state.checksum(), "num_tensors": half}
     (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
     names = [TENSORS, META]
     if worker_state is not None:
@@ -92,7 +92,8 @@ def load_outer_state(directory: str | Path) -> tuple[OuterState, dict[str, Any]]
         momentum = [tensors[f"momentum.{k}"] for k in range(n)]
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise CheckpointError(f"checkpoint {directory} is unreadable ({exc}): {_FALLBACK}") from None
-    state = OuterState(anchor=anchor, momentum=momentum, step=int(meta["step"]))
+    rounds = meta["round"] if "round" in meta else meta["step"]  # checkpoints written before the rename say "step"
+    state = OuterState(anchor=anchor, momentum=momentum, round=int(rounds))
     if state.checksum() != meta.get("checksum"):
         raise CheckpointError(
             f"checkpoint {directory} fails its checksum (the files do not match each other): {_FALLBACK}"
@@ -120,7 +121,7 @@ def save_round(
 ) -> Path:
     """Save as ROOT/round_NNNNNN and keep only the ``keep`` newest rounds."""
     root = Path(root)
-    path = save_outer_state(root / f"round_{state.step:06d}", state, metadata, worker_state)
+    path = save_outer_state(root / f"round_{state.round:06d}", state, metadata, worker_state)
     rounds = sorted(p for p in root.glob("round_*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
     for old in rounds[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,17 +1,21 @@
-"""One worker's DiLoCo round: H inner steps -> pseudo-gradient -> reduce -> outer step.
+"""One worker's DiLoCo round: H inner steps -> pseudo-gradient -> reduce -> decide -> outer step.
 
-Inputs:  a Config, a DataPipeline shard iterator (int64 [B, T] batches), a Reducer.
-Output:  RoundResult per round (inner stats, reduce info, eval losses, checksum of the outer state).
+Inputs:  a Config, a DataPipeline shard iterator (int64 [B, T] batches), a Reducer, and (in a swarm) a SharedState.
+Output:  RoundResult per applied round (inner stats, reduce info, the decision, eval losses, checksum of the
+         outer state); None for a round that changed nothing (discarded, or replaced by a downloaded state).
 State:   the worker's model θ (on its device), its inner optimizer (kept across rounds), its copy of
-         the replicated OuterState (anchor, momentum, step; fp32 CPU) and the number of batches it has
+         the replicated OuterState (anchor, momentum, round; fp32 CPU) and the number of batches it has
          taken from its shard. ``local_state``/``restore_local_state`` carry the parts no other peer
          holds (AdamW moments, place in the shard) through a checkpoint.
-Failure: NonFiniteLossError (inner) or NonFiniteUpdateError (Δ or Δ̄) abandon the round: θ is reset to
-         the unchanged anchor, the outer state is not touched, and the error propagates.
+Failure: ``contribute`` raises NonFiniteLossError / NonFiniteUpdateError (or whatever ``on_step`` raises, e.g.
+         a stop request) with θ reset to the unchanged anchor; ``settle`` never applies a non-finite Δ̄ (it logs,
+         resets θ and returns None).
 
-The seam: this module knows nothing of hivemind. A Reducer takes this worker's Δ and its weight
-(tokens processed this round) and returns the group's weighted mean Δ̄ and a ReduceInfo. The simulator
-(simulate.py) averages in process; run_peer uses the hivemind all-reduce. Same numerics on both sides.
+The seam: this module knows nothing of hivemind. A Reducer takes this worker's Δ, its weight (tokens this
+round) and its GatherPayload, and returns the group's weighted mean Δ̄ and a ReduceInfo (with the group's
+payloads). ``protocol.decide`` turns that into one action, and ``settle`` carries it out: the same code for the
+simulator (simulate.py: an in-process mean over K workers, ``contribute`` for each, then ``settle`` for each)
+and for run_peer (``run_round``: hivemind's all-reduce, state downloads through a SharedState).
 """
 
 from __future__ import annotations
@@ -27,9 +31,19 @@ import torch
 from p2p_diloco.config import Config
 from p2p_diloco.inner import InnerOptimizer, InnerStats
 from p2p_diloco.model import autocast, build_model, resolve_device
-from p2p_diloco.outer import OuterState, outer_lr_at, pseudo_gradient
+from p2p_diloco.outer import NonFiniteUpdateError, OuterState, outer_lr_at, pseudo_gradient
+from p2p_diloco.swarm.protocol import Action, Decision, Gathered, GatherPayload, RoundRules, RoundTag, decide
 
-__all__ = ["ReduceInfo", "Reducer", "RoundResult", "Worker", "evaluate", "fp32_bytes_sent"]
+__all__ = [
+    "Contribution",
+    "ReduceInfo",
+    "Reducer",
+    "RoundResult",
+    "SharedState",
+    "Worker",
+    "evaluate",
+    "fp32_bytes_sent",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +69,41 @@ class ReduceInfo:
     bytes_sent: int = 0
     bytes_received: int = 0
     reason: str = ""
-    gathered: dict[str, Any] = field(default_factory=dict)
+    gathered: Gathered = field(default_factory=Gathered)
 
 
 class Reducer(Protocol):
-    def reduce(self, pseudo_grads: list[torch.Tensor], weight: float) -> tuple[list[torch.Tensor], ReduceInfo]:
-        """Return the weighted mean of the group's pseudo-gradients (same shapes, fp32 CPU)."""
+    def reduce(
+        self, pseudo_grads: list[torch.Tensor], weight: float, payload: GatherPayload
+    ) -> tuple[list[torch.Tensor], ReduceInfo]:
+        """The weighted mean of the group's pseudo-gradients (same shapes, fp32 CPU) and what the reduce did;
+        ``payload`` reaches every member, and ``ReduceInfo.gathered`` holds every member's."""
         ...
+
+
+class SharedState(Protocol):
+    """Where the round's outer step and state downloads go in a swarm (swarm/sync.py); the simulator needs none."""
+
+    def apply_outer(self, averaged: list[torch.Tensor], consensus: bool) -> float:
+        """The outer step with Δ̄ (under the lock that guards the shared state); returns the outer lr."""
+        ...
+
+    def catch_up(self, group: RoundTag, averaged: list[torch.Tensor]) -> bool:
+        """Take the group's pre-round state ``group`` and apply ``averaged`` to it (or its post-round state)."""
+        ...
+
+    def resync(self, after_local_step: bool) -> bool:
+        """Download the swarm's outer state (after a local step: only one that got further)."""
+        ...
+
+
+@dataclass
+class Contribution:
+    """What a worker brings to a round: Δ, the tokens it was trained on, and the payload for the group."""
+
+    pseudo_grad: list[torch.Tensor]
+    payload: GatherPayload
+    inner: InnerStats
 
 
 def fp32_bytes_sent(num_params: int, group_size: int) -> int:
@@ -79,6 +121,7 @@ class RoundResult:
     checksum: str
     outer_lr: float
     eval_loss: dict[str, float] | None = None
+    decision: Action = Action.APPLY
 
     def record(self) -> dict[str, Any]:
         """The flat per-round metrics record (metrics.jsonl)."""
@@ -98,9 +141,12 @@ class RoundResult:
             "bytes_received": self.reduce.bytes_received,
             "outer_lr": self.outer_lr,
             "checksum": self.checksum,
+            "decision": self.decision.value,
         }
-        if len(self.reduce.gathered) > 1:
-            rec["group_peers"] = sorted(self.reduce.gathered)
+        if len(self.reduce.gathered.payloads) > 1:
+            rec["group_peers"] = self.reduce.gathered.peers
+        if self.reduce.gathered.malformed:
+            rec["malformed_payloads"] = self.reduce.gathered.malformed
         if self.reduce.reason:
             rec["reduce_reason"] = self.reduce.reason
         if self.eval_loss is not None:
@@ -189,7 +235,7 @@ class Worker:
         """H inner steps from the current θ; the schedule continues at outer_step x H."""
         h = self.cfg.inner.steps
         try:
-            return self.inner.run(self.batches, h, self.state.step * h, self.autocast, self.device, on_step)
+            return self.inner.run(self.batches, h, self.state.round * h, self.autocast, self.device, on_step)
         except Exception:
             self.state.copy_to(self.model.parameters())
             raise
@@ -206,7 +252,7 @@ class Worker:
     ) -> float:
         """Outer step on the anchor with Δ̄, then θ ← anchor. Returns the outer lr used."""
         o = self.cfg.outer
-        lr = outer_lr_at(self.state.step, o.lr, o.lr_warmup_rounds) if lr is None else lr
+        lr = outer_lr_at(self.state.round, o.lr, o.lr_warmup_rounds) if lr is None else lr
         momentum = o.momentum if momentum is None else momentum
         try:
             self.state.apply(avg_delta, lr, momentum, o.nesterov)
@@ -214,24 +260,86 @@ class Worker:
             self.state.copy_to(self.model.parameters())
         return lr
 
+    def tag(self) -> RoundTag:
+        return RoundTag(self.state.round, self.state.checksum())
+
+    def outer_lr(self, round: int) -> float:
+        return outer_lr_at(round, self.cfg.outer.lr, self.cfg.outer.lr_warmup_rounds)
+
+    def contribute(self, on_step: Callable[[int, float], None] | None = None) -> Contribution:
+        """H inner steps from θ = anchor, then Δ and this round's payload. Raises with θ reset (module doc)."""
+        tag = self.tag()
+        stats = self.train_inner(on_step)
+        delta = self.pseudo_grad()
+        return Contribution(delta, GatherPayload(tag, stats.tokens), stats)
+
+    def settle(
+        self,
+        mine: Contribution,
+        averaged: list[torch.Tensor],
+        info: ReduceInfo,
+        rules: RoundRules,
+        sync: SharedState | None = None,
+        eval_sets: dict[str, torch.Tensor] | None = None,
+    ) -> RoundResult | None:
+        """Carry out ``decide``'s action for this round; a RoundResult when the outer state moved by it."""
+        decision = decide(mine.payload.tag, info.gathered, info.complete, rules)
+        done = self._carry_out(decision, averaged, info, sync)
+        if done is None:
+            self.state.copy_to(self.model.parameters())  # θ back to the (possibly downloaded) anchor
+            return None
+        evals = self.maybe_evaluate(eval_sets)
+        return RoundResult(self.state.round, mine.inner, info, self.state.checksum(), done, evals, decision.action)
+
+    def _carry_out(
+        self, decision: Decision, averaged: list[torch.Tensor], info: ReduceInfo, sync: SharedState | None
+    ) -> float | None:
+        """The outer lr of the applied outer step, or None when the round is dropped."""
+        label = f"round {self.state.round + 1}"
+        if decision.action is Action.DISCARD:
+            log.warning("%s discarded: %s (%s)", label, decision.reason, info.reason)
+            return None
+        if decision.action is Action.RESYNC or (
+            decision.action is Action.CATCH_UP and (sync is None or not sync.catch_up(decision.majority, averaged))
+        ):
+            log.warning("%s discarded: %s; downloading the outer state", label, decision.reason)
+            if sync is None or not sync.resync(after_local_step=False):
+                log.warning("%s: no state download; will retry after the next round", label)
+            return None
+        if decision.action is Action.CATCH_UP:
+            log.warning("%s: %s; caught up to round %d", label, decision.reason, self.state.round)
+            return self.outer_lr(decision.majority.round)
+        if decision.action is Action.LOCAL_STEP:
+            log.warning("%s: %s (%s)", label, decision.reason, info.reason)
+        elif decision.out_of_sync:
+            log.warning("%s: %s", label, decision.reason)
+        consensus = decision.action is Action.APPLY
+        try:
+            lr = sync.apply_outer(averaged, consensus) if sync is not None else self.apply_outer(averaged)
+        except NonFiniteUpdateError as exc:
+            log.error("%s discarded: %s", label, exc)
+            return None
+        if decision.action is Action.LOCAL_STEP and sync is not None and sync.resync(after_local_step=True):
+            info.reason += "; resynced from a peer after the local step"
+        return lr
+
     def run_round(
         self,
         reducer: Reducer,
+        rules: RoundRules,
+        sync: SharedState | None = None,
         on_step: Callable[[int, float], None] | None = None,
         eval_sets: dict[str, torch.Tensor] | None = None,
-    ) -> RoundResult:
-        """A whole round with a Reducer: the path run_peer takes."""
-        stats = self.train_inner(on_step)
-        delta = self.pseudo_grad()
-        avg, info = reducer.reduce(delta, float(stats.tokens))
-        lr = self.apply_outer(avg)
-        evals = self.maybe_evaluate(eval_sets)
-        return RoundResult(self.state.step, stats, info, self.state.checksum(), lr, evals)
+    ) -> RoundResult | None:
+        """A whole round through a Reducer: contribute, reduce, settle. The path run_peer takes."""
+        mine = self.contribute(on_step)
+        averaged, info = reducer.reduce(mine.pseudo_grad, float(mine.inner.tokens), mine.payload)
+        return self.settle(mine, averaged, info, rules, sync, eval_sets)
 
     def maybe_evaluate(self, eval_sets: dict[str, torch.Tensor] | None) -> dict[str, float] | None:
         every = self.cfg.train.eval_every
-        last = self.state.step >= self.cfg.train.outer_steps
-        if eval_sets is None or every == 0 or (self.state.step % every and not last):
+        last = self.state.round >= self.cfg.train.outer_steps
+        if eval_sets is None or every == 0 or (self.state.round % every and not last):
             return None
         losses = evaluate(self.model, eval_sets, self.cfg.data.batch_size, self.cfg)
         if not all(math.isfinite(v) for v in losses.values()):

@@ -2,7 +2,7 @@
 
 Inputs:  the model (fp32 params on its device), an iterator of int64 [B, T] token batches, InnerConfig,
          the global inner-step index where this round starts (so the lr schedule continues across
-         rounds and is the same on every peer that holds the same outer step).
+         rounds and is the same on every peer that holds the same round).
 Output:  the model's params after H steps, and InnerStats (mean loss, tokens, seconds, tokens/s, peak
          memory) for the round; per-step losses for logs.
 State:   the optimizer (AdamW moments), kept across rounds on purpose: DiLoCo keeps each worker's inner

@@ -62,14 +62,14 @@ class SummaryCollector:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=value)
 
         yield from gauge("peers_alive", "Peers whose round record has not expired", s.num_peers)
-        yield from gauge("round", "Highest outer step among alive peers", s.round)
+        yield from gauge("round", "Highest round among alive peers", s.round)
         yield from gauge("train_loss", "Token-weighted mean train loss at the current round", s.mean_train_loss)
         yield from gauge("eval_loss", "Mean eval loss of the latest evaluated round", s.eval_loss)
         yield from gauge("tokens_per_second", "Sum of alive peers' inner-loop tokens per second", s.tokens_per_second)
         yield from gauge("monitor_read_seconds", "Duration of the monitor's last DHT read", s.read_seconds)
         yield from gauge("monitor_refresh_timestamp_seconds", "Unix time of the monitor's last refresh", s.time)
         for name, doc, value in (
-            ("rounds_completed", "Highest outer step seen by the monitor", s.rounds_completed),
+            ("rounds_completed", "Highest round seen by the monitor", s.rounds_completed),
             ("tokens", "Tokens trained by every peer seen since the monitor started", s.total_tokens),
             ("peers_joined", "Peers that appeared since the monitor started", s.peers_joined),
             ("peers_left", "Peers whose record expired since the monitor started", s.peers_left),
@@ -77,7 +77,7 @@ class SummaryCollector:
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
         per_peer = {
-            "peer_round": ("Peer's latest outer step", lambda p: p.round),
+            "peer_round": ("Peer's latest round", lambda p: p.round),
             "peer_train_loss": ("Peer's train loss in its latest round", lambda p: p.train_loss),
             "peer_tokens_per_second": ("Peer's inner-loop tokens per second", lambda p: p.tokens_per_second),
             "peer_last_seen_seconds": ("Seconds since the peer's latest record", lambda p: p.last_seen_seconds),

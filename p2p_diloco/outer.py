@@ -4,8 +4,8 @@ Inputs:  the anchor (fp32 CPU tensors, one per model parameter) and a worker's p
          steps (any dtype/device, same shapes).
 Output:  pseudo-gradient Δ = anchor − θ (fp32, CPU, same shapes); the Nesterov outer step applied to
          the anchor with the averaged Δ̄ as its gradient; a checksum of the state.
-State:   OuterState = anchor, momentum buffers (fp32 CPU), step (rounds applied so far). The inner lr
-         schedule position is derived from ``step`` (step x H), so it needs no field of its own.
+State:   OuterState = anchor, momentum buffers (fp32 CPU), round (rounds applied so far). The inner lr
+         schedule position is derived from ``round`` (round x H), so it needs no field of its own.
          Every peer of a group must hold the identical OuterState after each round.
 Failure: NonFiniteUpdateError for a non-finite Δ or Δ̄; nothing is modified when it is raised.
 
@@ -62,10 +62,11 @@ def weighted_mean(tensor_lists: Sequence[Sequence[torch.Tensor]], weights: Seque
     return out
 
 
-def outer_lr_at(step: int, lr: float, warmup_rounds: int) -> float:
-    """Outer lr of round ``step`` (0-based): linear ramp over ``warmup_rounds``, then constant."""
-    if warmup_rounds and step < warmup_rounds:
-        return lr * (step + 1) / warmup_rounds
+def outer_lr_at(round: int, lr: float, warmup_rounds: int) -> float:
+    """Outer lr of the outer step that ends round ``round + 1`` (``round`` rounds applied before it): a linear
+    ramp over ``warmup_rounds``, then constant."""
+    if warmup_rounds and round < warmup_rounds:
+        return lr * (round + 1) / warmup_rounds
     return lr
 
 
@@ -73,15 +74,15 @@ def outer_lr_at(step: int, lr: float, warmup_rounds: int) -> float:
 class OuterState:
     anchor: list[torch.Tensor]
     momentum: list[torch.Tensor]
-    step: int = 0
+    round: int = 0  # rounds applied to this state (metrics.jsonl: outer_step)
 
     @classmethod
     def from_params(cls, params: Iterable[torch.Tensor]) -> OuterState:
         anchor = [p.detach().to("cpu", torch.float32).clone() for p in params]
-        return cls(anchor=anchor, momentum=[torch.zeros_like(a) for a in anchor], step=0)
+        return cls(anchor=anchor, momentum=[torch.zeros_like(a) for a in anchor], round=0)
 
     def apply(self, avg_delta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool = True) -> None:
-        """One outer SGD step on the anchor with ``avg_delta`` as the gradient; step += 1."""
+        """One outer SGD step on the anchor with ``avg_delta`` as the gradient: the outer step that ends a round."""
         _check_finite(avg_delta, "averaged pseudo-gradient")
         for a, buf, g in zip(self.anchor, self.momentum, avg_delta, strict=True):
             g = g.to(torch.float32)
@@ -89,7 +90,7 @@ class OuterState:
                 buf.mul_(momentum).add_(g)
                 g = g.add(buf, alpha=momentum) if nesterov else buf
             a.add_(g, alpha=-lr)
-        self.step += 1
+        self.round += 1
 
     def copy_to(self, params: Iterable[torch.Tensor]) -> None:
         """θ ← anchor (into the model's params, whatever their device and dtype)."""
@@ -102,16 +103,16 @@ class OuterState:
         return [*self.anchor, *self.momentum]
 
     @classmethod
-    def from_tensors(cls, tensors: Sequence[torch.Tensor], step: int) -> OuterState:
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], round: int) -> OuterState:
         if len(tensors) % 2:
             raise ValueError(f"outer state needs anchor and momentum tensors in pairs, got {len(tensors)}")
         half = len(tensors) // 2
         clean = [t.detach().to("cpu", torch.float32).clone() for t in tensors]
-        return cls(anchor=clean[:half], momentum=clean[half:], step=step)
+        return cls(anchor=clean[:half], momentum=clean[half:], round=round)
 
     def checksum(self) -> str:
-        """sha256 over step, anchor and momentum bytes: equal on two peers iff their states are equal."""
-        h = hashlib.sha256(struct.pack("<q", self.step))
+        """sha256 over round, anchor and momentum bytes: equal on two peers iff their states are equal."""
+        h = hashlib.sha256(struct.pack("<q", self.round))
         for t in self.tensors():
             h.update(t.contiguous().numpy().tobytes())
         return h.hexdigest()[:16]

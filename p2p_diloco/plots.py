@@ -8,7 +8,7 @@ State:   none (matplotlib's object API on the Agg canvas: no pyplot, no global f
 Failure: unreadable or torn JSON lines are skipped; a missing file is treated as empty.
          :class:`FileNotFoundError` from :func:`write_plots` only when no input exists at all.
 
-Swarm curve from peer logs: for each outer step, the token-weighted mean ``train_loss`` over the peers that
+Swarm curve from peer logs: for each round, the token-weighted mean ``train_loss`` over the peers that
 logged that step, at x = all peers' tokens through that step.
 """
 
@@ -60,7 +60,7 @@ def _num(x: Any) -> float | None:
 
 
 def swarm_curve(peer_logs: dict[str, list[dict[str, Any]]]) -> list[tuple[int, float, int]]:
-    """(outer step, token-weighted mean train loss, tokens of all peers through that step), by step."""
+    """(round, token-weighted mean train loss, tokens of all peers through that step), by step."""
     by_step: dict[int, list[tuple[float | None, int]]] = {}
     for records in peer_logs.values():
         for r in records:
@@ -112,7 +112,7 @@ def _finish(fig: Figure, ax: Any, has_data: bool) -> bytes:
 
 
 def _loss_vs_round(history: list[dict[str, Any]], peer_logs: dict[str, list[dict[str, Any]]]) -> bytes:
-    fig, ax = _axes("loss by round", "outer step (round)", "loss")
+    fig, ax = _axes("loss by round", "round", "loss")
     has = False
     for label, records in sorted(peer_logs.items()):
         pts = [(r["outer_step"], _num(r.get("train_loss"))) for r in records if isinstance(r.get("outer_step"), int)]
@@ -167,7 +167,7 @@ def _loss_vs_tokens(history: list[dict[str, Any]], peer_logs: dict[str, list[dic
 def _peers_vs_time(history: list[dict[str, Any]], peer_logs: dict[str, list[dict[str, Any]]]) -> bytes:
     fig, ax = _axes("peers", "minutes", "peers")
     times = [h["time"] for h in history if _num(h.get("time")) is not None]
-    rounds: dict[int, list[float]] = {}  # outer step -> times at which peers logged it
+    rounds: dict[int, list[float]] = {}  # round -> times at which peers logged it
     for records in peer_logs.values():
         for r in records:
             if isinstance(r.get("outer_step"), int) and _num(r.get("time")) is not None:

@@ -39,6 +39,7 @@ from p2p_diloco.data import DataError, DataPipeline
 from p2p_diloco.engine import ReduceInfo, RoundResult, Worker, evaluate, fp32_bytes_sent
 from p2p_diloco.inner import InnerStats, NonFiniteLossError
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState, weighted_mean
+from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules
 
 __all__ = ["MODES", "simulate", "main"]
 
@@ -78,12 +79,12 @@ class _Local:
                 for p in w.model.parameters():
                     if p.grad is not None:
                         p.grad.div_(len(self.shards))
-                w.inner.apply(w.state.step * self.steps + k)
+                w.inner.apply(w.state.round * self.steps + k)
                 stats.losses.append(sum(losses) / len(losses))
                 stats.steps += 1
             stats.seconds = time.perf_counter() - start
         # No outer step here: the anchor mirrors θ so that checksums and comparisons see the model.
-        w.state = OuterState(OuterState.from_params(w.model.parameters()).anchor, w.state.momentum, w.state.step + 1)
+        w.state = OuterState(OuterState.from_params(w.model.parameters()).anchor, w.state.momentum, w.state.round + 1)
         return stats
 
 
@@ -94,6 +95,8 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
     if workers < 1:
         raise ConfigError(f"--workers {workers} is invalid: must be >= 1")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_shards=workers, shard_index=None))
+    if mode == "fedavg":  # FedAvg is DiLoCo with plain outer SGD at lr 1
+        cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, lr=1.0, momentum=0.0, lr_warmup_rounds=0))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     data = DataPipeline(cfg.data, cfg.seed)
@@ -108,7 +111,7 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
         local = _Local(cfg, data.vocab_size, shards, mode)
         pool, model = [local.worker], local.worker.model
     num_params = pool[0].num_params
-    outer_lr, outer_momentum = (1.0, 0.0) if mode == "fedavg" else (None, None)
+    rules = RoundRules.from_config(cfg.swarm)
 
     initial = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
     eval_per_round: dict[int, float] = {0: initial["all"]}
@@ -125,21 +128,15 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
     try:
         for r in range(1, cfg.train.outer_steps + 1):
             if mode in ("diloco", "fedavg"):
-                stats = [w.train_inner() for w in pool]
-                deltas = [w.pseudo_grad() for w in pool]
-                avg = weighted_mean(deltas, [float(s.tokens) for s in stats])
-                lrs = [w.apply_outer(avg, outer_lr, outer_momentum) for w in pool]
-                sent = fp32_bytes_sent(num_params, workers)
-                inner, lr = _merge(stats), lrs[0]
-                tokens_per_worker += stats[0].tokens
+                result = _diloco_round(pool, rules, eval_sets)
             else:
-                inner, lr = local.round(), 0.0
+                inner = local.round()
                 sent = fp32_bytes_sent(num_params, workers) * (local.steps if mode == "sync" else 0)
-                tokens_per_worker += inner.tokens // workers
-            bytes_sent += sent
-            info = ReduceInfo(group_size=workers, complete=True, attempts=1, bytes_sent=sent, bytes_received=sent)
-            evals = pool[0].maybe_evaluate(eval_sets)
-            result = RoundResult(r, inner, info, pool[0].state.checksum(), lr, evals)
+                info = ReduceInfo(group_size=workers, complete=True, attempts=1, bytes_sent=sent, bytes_received=sent)
+                result = RoundResult(r, inner, info, pool[0].state.checksum(), 0.0, pool[0].maybe_evaluate(eval_sets))
+            inner, evals = result.inner, result.eval_loss
+            tokens_per_worker += inner.tokens // workers
+            bytes_sent += result.reduce.bytes_sent
             if evals is not None:
                 eval_per_round[r] = evals["all"]
             metrics.write(json.dumps({"mode": mode, "tokens_per_worker": tokens_per_worker, **result.record()}) + "\n")
@@ -175,6 +172,23 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
     (out / "results.json").write_text(json.dumps(results, indent=2))
     save_outer_state(out / "final_state", pool[0].state, {"mode": mode, "workers": workers})
     return results
+
+
+def _diloco_round(pool: list[Worker], rules: RoundRules, eval_sets: dict[str, torch.Tensor]) -> RoundResult:
+    """One round of the K workers through the same contribute/settle as a swarm peer, with an in-process mean."""
+    mine = [w.contribute() for w in pool]
+    averaged = weighted_mean([c.pseudo_grad for c in mine], [float(c.inner.tokens) for c in mine])
+    sent = fp32_bytes_sent(pool[0].num_params, len(pool))
+    gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
+    results = []
+    for k, (worker, contribution) in enumerate(zip(pool, mine, strict=True)):
+        info = ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
+        results.append(worker.settle(contribution, averaged, info, rules, eval_sets=eval_sets if k == 0 else None))
+    if any(r is None or r.decision is not Action.APPLY for r in results):
+        raise NonFiniteUpdateError(f"round {pool[0].state.round + 1}: a worker could not apply the mean")
+    first = results[0]
+    first.inner = _merge([c.inner for c in mine])
+    return first
 
 
 def _merge(stats: list[InnerStats]) -> InnerStats:

@@ -9,11 +9,12 @@ import torch
 
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state, save_round
 from p2p_diloco.config import load_config
-from p2p_diloco.engine import Worker
+from p2p_diloco.engine import ReduceInfo, Worker
 from p2p_diloco.inner import lr_at
 from p2p_diloco.model import build_model
 from p2p_diloco.simulate import main as simulation_main
 from p2p_diloco.simulate import simulate
+from p2p_diloco.swarm.protocol import Gathered, RoundRules
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 FAST = ["data.eval_batches=1", "train.eval_every=0"]
@@ -55,11 +56,11 @@ def test_one_worker_lr1_no_momentum_equals_plain_adamw():
 def test_inner_adamw_state_survives_rounds():
     cfg = load_config(TINY, ["inner.steps=3", "train.outer_steps=2"])
     worker = Worker(cfg, 257, _batches(1))
-    worker.run_round(_SelfReducer())
+    worker.run_round(_SelfReducer(), RoundRules())
     first = next(iter(worker.inner.optimizer.state.values()))
     assert int(first["step"]) == 3 and first["exp_avg"].abs().sum() > 0
     saved = first["exp_avg_sq"].clone()
-    worker.run_round(_SelfReducer())
+    worker.run_round(_SelfReducer(), RoundRules())
     state = next(iter(worker.inner.optimizer.state.values()))
     assert int(state["step"]) == 6
     assert not torch.equal(state["exp_avg_sq"], saved)
@@ -68,10 +69,11 @@ def test_inner_adamw_state_survives_rounds():
 
 
 class _SelfReducer:
-    def reduce(self, pseudo_grads, weight):
-        from p2p_diloco.engine import ReduceInfo
+    """A group of one: the mean is this worker's own Δ."""
 
-        return pseudo_grads, ReduceInfo(group_size=1, complete=True, attempts=1)
+    def reduce(self, pseudo_grads, weight, payload):
+        gathered = Gathered({"me": payload})
+        return pseudo_grads, ReduceInfo(group_size=1, complete=True, attempts=1, gathered=gathered)
 
 
 def _local_round(worker):

@@ -29,7 +29,7 @@ def test_outer_step_equals_torch_sgd(nesterov):
             assert torch.equal(a, p.detach())
         for buf, p in zip(state.momentum, ref):
             assert torch.equal(buf, opt.state[p]["momentum_buffer"])
-    assert state.step == 5
+    assert state.round == 5
 
 
 def test_pseudo_gradient_sign_points_from_theta_to_anchor():
@@ -52,18 +52,18 @@ def test_non_finite_updates_are_refused_and_leave_state_untouched():
     bad[2][0, 0, 0] = float("inf")
     with pytest.raises(NonFiniteUpdateError, match="averaged"):
         state.apply(bad, lr=0.7, momentum=0.9)
-    assert state.checksum() == before and state.step == 0
+    assert state.checksum() == before and state.round == 0
 
 
 def test_checksum_sees_every_part_of_the_state():
     a, b = _random_state(), _random_state()
     assert a.checksum() == b.checksum()
-    b.step = 1
+    b.round = 1
     assert a.checksum() != b.checksum()
     c = _random_state()
     c.momentum[0][0, 0] = 1e-30
     assert a.checksum() != c.checksum()
-    d = OuterState.from_tensors(a.tensors(), a.step)
+    d = OuterState.from_tensors(a.tensors(), a.round)
     assert d.checksum() == a.checksum()
 
 
@@ -88,12 +88,12 @@ def test_checkpoint_round_trip_keep_and_corruption(tmp_path):
     assert latest is not None and latest.name == "round_000004"
     assert len(list(tmp_path.glob("round_*"))) == 2
     loaded, meta = load_outer_state(latest)
-    assert loaded.checksum() == state.checksum() and meta["run"] == "t" and loaded.step == 4
+    assert loaded.checksum() == state.checksum() and meta["run"] == "t" and loaded.round == 4
     # a crashed save leaves only a .tmp directory behind: the last good checkpoint still loads
     (tmp_path / "round_000005.tmp").mkdir()
     assert latest_checkpoint(tmp_path).name == "round_000004"
     (latest / "outer_state.json").write_text(
-        (latest / "outer_state.json").read_text().replace('"step": 4', '"step": 3')
+        (latest / "outer_state.json").read_text().replace('"round": 4', '"round": 3')
     )
     with pytest.raises(CheckpointError, match="checksum"):
         load_outer_state(latest)

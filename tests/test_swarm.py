@@ -133,7 +133,7 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
     simulate(cfg, "diloco", 3, tmp_path / "sim")
     sim, _ = load_outer_state(tmp_path / "sim" / "final_state")
     swarm, _ = load_outer_state(latest_checkpoint(dirs[0] / "checkpoints"))
-    assert swarm.step == sim.step == 3
+    assert swarm.round == sim.round == 3
     diff = max((a - b).abs().max().item() for a, b in zip(swarm.anchor + swarm.momentum, sim.anchor + sim.momentum))
     print(f"swarm vs simulator: max abs difference {diff:.3g}")
     assert diff <= 1e-5
@@ -146,7 +146,7 @@ def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path
     second = start_peer(spawn, initial.split(), tmp_path / "b", "train.outer_steps=6", "swarm.target_group_size=3")
     second.wait_for_line(r"^round [2-6]/6 ", timeout=120)
     late = start_peer(spawn, initial.split(), tmp_path / "c", "train.outer_steps=6", "swarm.target_group_size=3")
-    match = late.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
+    match = late.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=90)
     step, checksum = int(match.group(1)), match.group(2)
     assert step >= 2
     donors = {r["outer_step"]: r["checksum"] for r in records(tmp_path / "a")}
@@ -280,14 +280,14 @@ def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tm
     assert wait_until(lambda: not live_group_members(peer.pgid), 10), live_group_members(peer.pgid)
     saved = latest_checkpoint(tmp_path / "p" / "checkpoints")
     state, _ = load_outer_state(saved)
-    assert state.step >= 2
+    assert state.round >= 2
 
     again = start_peer(spawn, [], tmp_path / "p", *solo, flags=("--resume",))
-    match = again.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
-    assert int(match.group(1)) == state.step and match.group(2) == state.checksum()
+    match = again.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=90)
+    assert int(match.group(1)) == state.round and match.group(2) == state.checksum()
     assert again.wait(timeout=120) == 0, again.describe()
-    resumed = re.search(r"resumed from \S+ \(outer step (\d+), (\d+) batches read\)", again.stderr)
-    assert resumed and int(resumed.group(1)) == state.step and int(resumed.group(2)) > 0, again.stderr
+    resumed = re.search(r"resumed from \S+ \(round (\d+), (\d+) batches read\)", again.stderr)
+    assert resumed and int(resumed.group(1)) == state.round and int(resumed.group(2)) > 0, again.stderr
     steps = [r["outer_step"] for r in records(tmp_path / "p")]
     assert steps[-1] == 5 and sorted(set(steps)) == list(range(1, 6)), steps
 
@@ -303,16 +303,16 @@ def test_resumed_peer_that_fell_behind_takes_the_swarm_state_before_its_first_st
     os.killpg(second.pgid, signal.SIGINT)
     assert second.wait(timeout=60) == 0, second.describe()
     saved, _ = load_outer_state(latest_checkpoint(tmp_path / "b" / "checkpoints"))
-    first.wait_for_line(rf"^round {saved.step + 2}/10 ", timeout=120)  # the swarm moves on without it
+    first.wait_for_line(rf"^round {saved.round + 2}/10 ", timeout=120)  # the swarm moves on without it
 
     again = start_peer(spawn, initial.split(), tmp_path / "b", *sets, flags=("--resume",))
-    match = again.wait_for_line(r"joined at outer step (\d+) with checksum (\w+)", timeout=90)
+    match = again.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=90)
     step, checksum = int(match.group(1)), match.group(2)
-    assert step >= saved.step + 2
+    assert step >= saved.round + 2
     for proc in (first, again):
         os.killpg(proc.pgid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0, proc.describe()
     assert {r["outer_step"]: r["checksum"] for r in records(tmp_path / "a")}.get(step) == checksum
-    assert re.search(rf"resumed from \S+ \(outer step {saved.step}, [1-9]\d* batches read\)", again.stderr)
+    assert re.search(rf"resumed from \S+ \(round {saved.round}, [1-9]\d* batches read\)", again.stderr)
     steps = [r["outer_step"] for r in records(tmp_path / "b")]
-    assert not [s for s in steps if saved.step < s <= step], steps  # no round trained on the stale state
+    assert not [s for s in steps if saved.round < s <= step], steps  # no round trained on the stale state

@@ -1,11 +1,13 @@
 """The pseudo-gradient all-reduce over hivemind: completeness detection, retries, state sharing.
 
-Inputs:  ``reduce(pseudo_grads, weight, gather)``: one fp32 CPU tensor per parameter (the template shapes, the
-         same on every peer), a finite weight > 0 (tokens this round), an optional small msgpack-able
-         ``gather`` payload that every member receives (put the round number in it and compare).
+Inputs:  ``reduce(pseudo_grads, weight, payload)``: one fp32 CPU tensor per parameter (the template shapes, the
+         same on every peer), a finite weight > 0 (tokens this round), and this peer's GatherPayload (its round
+         tag; protocol.py), which every member receives. ``RoundRules`` (the config's) at construction.
 Output:  ``(averaged, ReduceInfo)``: EITHER the weighted mean over a group where every member contributed
          and received every part (``complete``; bitwise equal on all members), OR copies of the local
          pseudo-grads (``complete`` False, ``group_size`` 1, ``reason`` says why). Never a partial mean.
+         ``ReduceInfo.gathered`` holds the members' payloads, parsed once in the averager process (malformed
+         entries dropped and counted). A member whose Δ does not count (``protocol.decide``) sends weight 0.
 State:   hivemind's averager child process with the shared-memory buffers (overwritten by each attempt);
          the state provider that serves late joiners (called in the host, in hivemind's fetch thread).
 Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, before any network work. Network
@@ -46,7 +48,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,6 +66,7 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_async
 
 from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.swarm.dht import children_ignore_sigint
+from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, decide
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
@@ -78,32 +81,6 @@ class _NoGroupIsNotAnError(logging.Filter):
 
 
 logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNotAnError())
-
-
-def _state_of(payload: Any) -> tuple | None:
-    if isinstance(payload, dict) and isinstance(payload.get("state"), list | tuple):
-        return tuple(payload["state"])
-    return None
-
-
-def majority_state(gathered: dict[str, Any]) -> tuple | None:
-    """The ``state`` most members put in their gather payload (ties: the largest); None if nobody did.
-
-    Every member computes this from the same gathered payloads, so all agree on it. Members that do not
-    ``contributes`` average with weight 0: the group's mean is then over the members that count.
-    """
-    votes = Counter(s for s in map(_state_of, gathered.values()) if s is not None)
-    if not votes:
-        return None
-    return max(votes, key=lambda k: (votes[k], k))
-
-
-def contributes(state: tuple | None, majority: tuple | None, max_staleness: int) -> bool:
-    """Whether a member with gathered ``state`` = (outer step, checksum) counts in the group's mean: in sync
-    with the majority, or (``max_staleness`` 1) exactly one outer step behind it (a delayed pseudo-gradient)."""
-    if majority is None or state == majority:
-        return True
-    return state is not None and max_staleness >= 1 and state[0] == majority[0] - 1
 
 
 class _ExactRunner(AllReduceRunner):
@@ -181,7 +158,7 @@ class PseudoGradAverager(DecentralizedAverager):
         part_size_bytes: int,
         round_deadline: float,
         max_reduce_attempts: int,
-        max_staleness: int = 1,
+        rules: RoundRules | None = None,
         start: bool = True,
         shutdown_timeout: float = 5.0,
     ):
@@ -216,7 +193,7 @@ class PseudoGradAverager(DecentralizedAverager):
             round_deadline,
             max_reduce_attempts,
         )
-        self.max_staleness = max_staleness  # read in the averager process (set before it forks)
+        self.rules = rules or RoundRules()  # read in the averager process (set before it forks)
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
         if start:
@@ -226,7 +203,7 @@ class PseudoGradAverager(DecentralizedAverager):
     def from_config(
         cls, dht: DHT, templates: Sequence[torch.Tensor], swarm: Any, prefix: str, **kw: Any
     ) -> PseudoGradAverager:
-        """Build from a SwarmConfig-like object (same field names; ``matchmaking_time`` for the min time)."""
+        """Build from a SwarmConfig (same field names; ``matchmaking_time`` for the min time; its round rules)."""
         names = (
             "target_group_size",
             "min_group_size",
@@ -237,8 +214,8 @@ class PseudoGradAverager(DecentralizedAverager):
             "part_size_bytes",
             "round_deadline",
             "max_reduce_attempts",
-            "max_staleness",
         )
+        kw.setdefault("rules", RoundRules.from_config(swarm))
         return cls(dht, templates, prefix, **{name: getattr(swarm, name) for name in names}, **kw)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
@@ -274,12 +251,14 @@ class PseudoGradAverager(DecentralizedAverager):
         return out
 
     def reduce(
-        self, pseudo_grads: Sequence[torch.Tensor], weight: float, gather: Any = None
+        self, pseudo_grads: Sequence[torch.Tensor], weight: float, payload: GatherPayload | None = None
     ) -> tuple[list[torch.Tensor], ReduceInfo]:
         """Weighted mean over a complete group, or the local pseudo-gradients; never a partial mean."""
         start = time.monotonic()
         grads = self._check_inputs(pseudo_grads, weight)
-        info = ReduceInfo(gathered={str(self.peer_id): gather}, check_seconds=time.monotonic() - start)
+        gather = payload.to_wire() if payload is not None else None
+        alone = Gathered({str(self.peer_id): payload} if payload is not None else {})
+        info = ReduceInfo(gathered=alone, check_seconds=time.monotonic() - start)
         notes: list[str] = []
         attempt_budget = 2 * self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
         while info.attempts < self.max_reduce_attempts:
@@ -353,15 +332,16 @@ class PseudoGradAverager(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         """Run the stock butterfly, judge this member's view of it, then agree with the group (rpc_vote)."""
-        t_group, gathered, reason, verdict, sizes = time.monotonic(), {}, "", False, None
+        t_group, gathered, reason, verdict, sizes = time.monotonic(), Gathered(), "", False, None
         vote = self._vote_state(group_info.group_id)["mine"]
         modes = [AveragingMode.NODE] * group_info.group_size
         try:
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             modes = [AveragingMode(m) for m in mode_ids]
-            gathered = {str(p): self.serializer.loads(b) for p, b in zip(group_info.peer_ids, user_bytes, strict=True)}
-            majority = majority_state(gathered)
-            if not contributes(_state_of(gathered.get(str(self.peer_id))), majority, self.max_staleness):
+            members = zip(group_info.peer_ids, user_bytes, strict=True)
+            gathered = Gathered.parse({str(p): self._decode(b) for p, b in members})
+            mine = gathered.payloads.get(str(self.peer_id))
+            if mine is not None and not decide(mine.tag, gathered, True, self.rules).counts:
                 kwargs["weight"] = 0.0  # out of sync with the group: serve as a reducer, contribute nothing
             download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
             sizes = load_balance_peers(self.total_size, download, min_vector_size)
@@ -405,6 +385,13 @@ class PseudoGradAverager(DecentralizedAverager):
             reason=reason or "members without a complete result: " + ", ".join(against),
             bytes=4 * ((self.total_size - mine) + (n - 1) * mine),
         )
+
+    def _decode(self, user_bytes: Any) -> Any:
+        """One member's gather payload off the wire, or None when it does not decode (then dropped, counted)."""
+        try:
+            return self.serializer.loads(user_bytes)
+        except Exception:  # noqa: BLE001 - whatever a member sent, it must not break the round
+            return None
 
     async def _collect_votes(
         self, group_info: GroupInfo, modes: list[AveragingMode], verdict: bool, deadline: float

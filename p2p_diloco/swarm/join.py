@@ -1,0 +1,147 @@
+"""Joining a run: who else is in it, whether their settings match ours, and the outer state to start from.
+
+Inputs:  the DHT node, the Config, this peer's fingerprint and its summary (fingerprint.py), PeerOptions (the
+         log dir, ``--resume`` / ``--new-swarm``, the stop Event), a StateSync for downloads.
+Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint`` (one subkey per peer: its
+         fingerprint, the summary and its round; refreshed after every round) and the others' announcements;
+         ``first_state``: the worker holds its starting outer state (checkpoint, seed or the swarm's) when it
+         returns; ``wait_for_start_peers``: holds round 1 until ``swarm.start_peers`` peers are up.
+State:   none beyond the DHT entries, which expire ``swarm.record_ttl`` after the last announcement.
+Failure: SwarmSetupError when every other peer of the run has other settings (the message lists each field that
+         differs), or when peers hold a trained state but none sent it within ``swarm.join_timeout``;
+         CheckpointError for a checkpoint that cannot be resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state
+from p2p_diloco.config import Config
+from p2p_diloco.engine import Worker
+from p2p_diloco.fingerprint import fingerprint_differences
+from p2p_diloco.swarm.dht import SwarmSetupError
+from p2p_diloco.swarm.sync import StateSync
+
+__all__ = ["Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
+
+log = logging.getLogger("p2p_diloco.join")
+
+
+@dataclass
+class PeerOptions:
+    """How a peer joins, beyond the config (run_peer's command line): where to connect, where to write, how to
+    start."""
+
+    initial_peers: list[str]
+    log_dir: Path
+    new_swarm: bool = False  # the first peer of a run: no initial peers, the state starts from the seed
+    resume: bool = False  # continue from the last checkpoint in log_dir
+    host_maddrs: list[str] | None = None
+    announce_maddrs: list[str] | None = None
+    identity_path: str | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class Membership:
+    """The run's fingerprint announcements in the DHT: ours, and everybody else's."""
+
+    def __init__(self, dht: Any, cfg: Config, peer_id: str, fingerprint: str, summary: dict[str, Any]) -> None:
+        self.dht, self.cfg, self.peer_id = dht, cfg, peer_id
+        self.fingerprint, self.summary = fingerprint, summary
+        self.key = f"{cfg.swarm.run_id}_fingerprint"
+
+    def announce(self, round: int) -> None:
+        value = {"fingerprint": self.fingerprint, "summary": self.summary, "round": round}
+        self.dht.store(self.key, value, get_dht_time() + self.cfg.swarm.record_ttl, subkey=self.peer_id)
+
+    def others(self) -> dict[str, dict]:
+        """Announcements of the other peers of this run, whatever their settings."""
+        found = self.dht.get(self.key, latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        return {k: v.value for k, v in entries.items() if k != self.peer_id and isinstance(v.value, dict)}
+
+    def mates(self) -> list[dict]:
+        """Announcements of the other peers that share our fingerprint (they can average with us)."""
+        return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
+
+    def newest_round(self) -> int:
+        """The highest round a peer with our settings announced (0 when none)."""
+        return max((_round_of(v) for v in self.mates()), default=0)
+
+    def check(self) -> None:
+        """Refuse to join a run in which every other peer has other settings; warn about the odd ones out."""
+        others = self.others()
+        differ = {p: v for p, v in others.items() if v.get("fingerprint") != self.fingerprint}
+        if differ and len(differ) == len(others):
+            _, theirs = next(iter(differ.items()))
+            fields = fingerprint_differences(self.summary, theirs.get("summary"))
+            raise SwarmSetupError(
+                f"this peer's settings differ from the {len(differ)} peer(s) already in run "
+                f"{self.cfg.swarm.run_id!r}, so it would never be grouped with them:\n  "
+                + "\n  ".join(fields or ["fingerprint (no field summary was announced)"])
+                + "\nUse the same config file and --set overrides as the swarm, or pick another swarm.run_id."
+            )
+        for peer in differ:
+            log.warning("peer %s runs different settings; it will not average with this peer", peer)
+
+
+def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Config, opts: PeerOptions) -> None:
+    """Resume from the last checkpoint, start from the seed, or download the swarm's state before round 1."""
+    ckpt = latest_checkpoint(Path(opts.log_dir) / "checkpoints") if opts.resume else None
+    if ckpt is not None:
+        state, _ = load_outer_state(ckpt)
+        worker.load_state(state)
+        local = load_worker_state(ckpt)
+        if local is None:
+            log.warning("%s holds no worker state: the inner optimizer starts afresh", ckpt)
+        else:
+            try:
+                worker.restore_local_state(local)
+            except ValueError as exc:
+                raise CheckpointError(f"{ckpt}: {exc}") from None
+        log.info("resumed from %s (round %d, %d batches read)", ckpt, state.round, worker.batches_taken)
+        if members.newest_round() > state.round:  # the swarm moved on meanwhile: take its state first
+            sync.download(newer_than=state.round)
+        return
+    if opts.new_swarm:
+        log.info("new swarm: the outer state starts from seed %d", cfg.seed)
+        return
+    deadline = time.monotonic() + cfg.swarm.join_timeout
+    while time.monotonic() < deadline and not opts.stop.is_set():
+        if sync.download():
+            return
+        if not any(_round_of(v) > 0 for v in members.others().values()):
+            log.info("no peer of this run holds a trained state yet: starting from seed %d", cfg.seed)
+            return
+        time.sleep(1.0)
+    raise SwarmSetupError(
+        f"peers of run {cfg.swarm.run_id!r} exist, but none sent its outer state within "
+        f"swarm.join_timeout={cfg.swarm.join_timeout:g}s: retry, or raise swarm.join_timeout"
+    )
+
+
+def _round_of(announcement: dict) -> int:
+    value = announcement.get("round", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def wait_for_start_peers(members: Membership, cfg: Config, round: int, stop: threading.Event) -> None:
+    """Hold round 1 until swarm.start_peers peers of this run are up (bounded by swarm.join_timeout)."""
+    want, deadline = cfg.swarm.start_peers, time.monotonic() + cfg.swarm.join_timeout
+    while want > 1 and time.monotonic() < deadline and not stop.is_set():
+        seen = 1 + len(members.mates())
+        if seen >= want:
+            log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
+            return
+        members.announce(round)
+        time.sleep(0.5)
+    if want > 1:
+        log.warning("fewer than swarm.start_peers=%d peers after %.0fs: starting anyway", want, cfg.swarm.join_timeout)

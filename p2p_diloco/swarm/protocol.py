@@ -1,0 +1,199 @@
+"""The round agreement: what a peer tells its group about its outer state, and what it does after the all-reduce.
+
+Words (one per thing, in code, metrics and docs):
+  round       H inner steps, one all-reduce of the pseudo-gradients, one outer step. ``RoundTag.round`` and
+              ``OuterState.round`` count the rounds applied to an outer state (metrics.jsonl calls it
+              ``outer_step``, the field name the monitor and users read).
+  outer step  the Nesterov update of the anchor that ends a round.
+  step        an inner optimizer step; H of them per round.
+
+Inputs:  this peer's :class:`RoundTag` before the round; the group's gather payloads (from the network, any
+         value, or typed from the simulator); whether the all-reduce was complete; :class:`RoundRules`.
+Output:  :class:`GatherPayload` and its wire form (a versioned msgpack-able dict); :class:`Gathered` (the valid
+         payloads by peer id, and how many entries were dropped); :class:`Decision` (one action and its reason).
+State:   none; every function here is pure and imports no network code.
+Failure: nothing from the network raises: a malformed entry is dropped and counted. ``ValueError`` only for
+         RoundRules that the config validation would have refused.
+
+``decide`` is the only place that decides a round. The averager process calls it before the butterfly (to send
+weight 0 when this peer's Δ will not count), the round (engine.py) after it; both see the same gathered
+payloads, so every member of a group reaches the same view of who counts. Its table:
+
+  all-reduce  this peer's tag vs the group's majority tag    action      Δ counts  afterwards
+  complete    equal (or no other valid payload)              apply       yes       outer step with Δ̄
+  complete    one round behind, max_staleness 1              catch_up    yes       take the group's pre-round
+                                                                                  state, apply the same Δ̄
+  complete    further behind, ahead, diverged, or one        resync      no        discard the round, download
+              behind with max_staleness 0                                         the outer state
+  incomplete  alone, no group, or a failed all-reduce        local_step  own Δ     alone_policy local: outer step
+                                                                                  with the own Δ, then take a
+                                                                                  peer's state that got further
+  incomplete  (the same)                                     discard     -         alone_policy wait
+The majority tag is the one most valid payloads carry; a tie goes to the larger (round, checksum), a rule every
+member applies alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Action",
+    "Decision",
+    "GATHER_VERSION",
+    "GatherPayload",
+    "Gathered",
+    "RoundRules",
+    "RoundTag",
+    "decide",
+    "majority_tag",
+]
+
+GATHER_VERSION = 1  # bump when GatherPayload's wire form changes (peers of another version never vote alike)
+_MAX_COUNT = 2**53  # rounds and tokens beyond this are not plausible (and not exact as floats)
+_MAX_CHECKSUM_CHARS = 64
+_ALONE_POLICIES = ("local", "wait")
+
+
+@dataclass(frozen=True, order=True)
+class RoundTag:
+    """Which outer state a peer holds: rounds applied to it and its checksum (``OuterState.checksum``)."""
+
+    round: int
+    checksum: str
+
+    def __str__(self) -> str:
+        return f"round {self.round} ({self.checksum})"
+
+
+@dataclass(frozen=True)
+class GatherPayload:
+    """What each member sends its group with its Δ: the tag of its outer state before the round, and the tokens
+    its Δ was trained on (its weight)."""
+
+    tag: RoundTag
+    tokens: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": GATHER_VERSION, "round": self.tag.round, "checksum": self.tag.checksum, "tokens": self.tokens}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> GatherPayload | None:
+        """The payload, or None when ``raw`` is not one of this version (wrong type, keys, bounds)."""
+        if not isinstance(raw, dict) or set(raw) != {"v", "round", "checksum", "tokens"} or raw["v"] != GATHER_VERSION:
+            return None
+        rnd, checksum, tokens = raw["round"], raw["checksum"], raw["tokens"]
+        if not (_count(rnd) and _count(tokens) and isinstance(checksum, str)):
+            return None
+        if not 0 < len(checksum) <= _MAX_CHECKSUM_CHARS:
+            return None
+        return cls(RoundTag(rnd, checksum), tokens)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_COUNT
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """The group's valid payloads by peer id (this peer's included), and how many entries were dropped."""
+
+    payloads: Mapping[str, GatherPayload] = field(default_factory=dict)
+    malformed: int = 0
+
+    @classmethod
+    def parse(cls, raw: Mapping[Any, Any]) -> Gathered:
+        """From ``{peer id: wire payload}`` as decoded off the network; anything unusable is dropped and counted.
+
+        A value that is already a :class:`GatherPayload` (the simulator's) is taken as it is.
+        """
+        payloads: dict[str, GatherPayload] = {}
+        malformed = 0
+        for peer, value in raw.items():
+            payload = value if isinstance(value, GatherPayload) else GatherPayload.from_wire(value)
+            if payload is None or not isinstance(peer, str):
+                malformed += 1
+            else:
+                payloads[peer] = payload
+        return cls(payloads, malformed)
+
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self.payloads)
+
+
+@dataclass(frozen=True)
+class RoundRules:
+    """The config values ``decide`` reads (``swarm.max_staleness``, ``swarm.alone_policy``)."""
+
+    max_staleness: int = 1
+    alone_policy: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness={self.max_staleness!r} must be 0 or 1")
+        if self.alone_policy not in _ALONE_POLICIES:
+            raise ValueError(f"alone_policy={self.alone_policy!r} must be one of {', '.join(_ALONE_POLICIES)}")
+
+    @classmethod
+    def from_config(cls, swarm: Any) -> RoundRules:
+        """From a SwarmConfig (or anything with the same two fields)."""
+        return cls(max_staleness=swarm.max_staleness, alone_policy=swarm.alone_policy)
+
+
+class Action(str, enum.Enum):
+    APPLY = "apply"
+    CATCH_UP = "catch_up"
+    RESYNC = "resync"
+    LOCAL_STEP = "local_step"
+    DISCARD = "discard"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with a round. ``counts``: whether this peer's Δ is part of the group's mean; ``majority``: the
+    group's tag (None when the all-reduce was incomplete); ``out_of_sync``: members whose tag is not it."""
+
+    action: Action
+    reason: str
+    counts: bool
+    majority: RoundTag | None = None
+    out_of_sync: int = 0
+
+
+def majority_tag(gathered: Gathered) -> RoundTag | None:
+    """The tag most valid payloads carry (ties: the largest); None when there is no valid payload."""
+    votes = Counter(p.tag for p in gathered.payloads.values())
+    if not votes:
+        return None
+    return max(votes, key=lambda tag: (votes[tag], tag))
+
+
+def decide(mine: RoundTag, gathered: Gathered, complete: bool, rules: RoundRules) -> Decision:
+    """The one decision of a round for the peer holding ``mine``; see the module docstring for the table."""
+    dropped = f"; {gathered.malformed} malformed payload(s) dropped" if gathered.malformed else ""
+    if not complete:
+        if rules.alone_policy == "wait":
+            return Decision(Action.DISCARD, "no complete all-reduce; alone_policy=wait discards the round", False)
+        return Decision(Action.LOCAL_STEP, "no complete all-reduce; taking a local outer step with the own Δ", True)
+    top = majority_tag(gathered) or mine
+    odd = sum(1 for p in gathered.payloads.values() if p.tag != top)
+    if mine == top:
+        note = f"; {odd} member(s) out of sync catch up or resync" if odd else ""
+        return Decision(Action.APPLY, f"in sync with the group at {top}{note}{dropped}", True, top, odd)
+    behind = top.round - mine.round
+    if behind == 1 and rules.max_staleness >= 1:
+        reason = f"one round behind the group ({mine} vs {top}): Δ counts, then catch up{dropped}"
+        return Decision(Action.CATCH_UP, reason, True, top, odd)
+    if behind > 0:
+        where = f"{behind} round(s) behind"
+    elif behind < 0:
+        where = f"{-behind} round(s) ahead of"
+    else:
+        where = "diverged from"
+    reason = f"this peer's state ({mine}) is {where} the group's majority ({top}): resync{dropped}"
+    return Decision(Action.RESYNC, reason, False, top, odd)

@@ -1,0 +1,129 @@
+"""protocol.decide as a table of cases, and the gather payload schema (what the network may send instead)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.swarm.protocol import (
+    GATHER_VERSION,
+    Action,
+    Gathered,
+    GatherPayload,
+    RoundRules,
+    RoundTag,
+    decide,
+    majority_tag,
+)
+
+A5, B5, A6 = RoundTag(5, "aaaa"), RoundTag(5, "bbbb"), RoundTag(6, "aaaa")
+A4, A3 = RoundTag(4, "aaaa"), RoundTag(3, "aaaa")
+GARBAGE = ["x", 17, None, {"v": GATHER_VERSION, "round": -1, "checksum": "a", "tokens": 1}]
+
+
+def group(*tags: RoundTag, garbage: int = 0) -> Gathered:
+    """Member 0 is this peer; ``garbage`` more members sent payloads that do not parse."""
+    raw: dict = {f"p{k}": GatherPayload(tag, 100).to_wire() for k, tag in enumerate(tags)}
+    raw.update({f"g{k}": GARBAGE[k % len(GARBAGE)] for k in range(garbage)})
+    return Gathered.parse(raw)
+
+
+LOCAL, WAIT = RoundRules(1, "local"), RoundRules(1, "wait")
+STRICT = RoundRules(0, "local")
+
+# (case, this peer's tag, the group's tags (this peer's first), complete, rules, action, counts, majority)
+CASES = [
+    ("all agree", A5, group(A5, A5, A5), True, LOCAL, Action.APPLY, True, A5),
+    ("a group of one (the simulator)", A5, group(A5), True, LOCAL, Action.APPLY, True, A5),
+    ("lone peer, alone_policy local", A5, group(A5), False, LOCAL, Action.LOCAL_STEP, True, None),
+    ("lone peer, alone_policy wait", A5, group(A5), False, WAIT, Action.DISCARD, False, None),
+    ("incomplete all-reduce, local", A5, group(A5, A5, A5), False, LOCAL, Action.LOCAL_STEP, True, None),
+    ("incomplete all-reduce, wait", A5, group(A5, A5, A5), False, WAIT, Action.DISCARD, False, None),
+    ("one behind", A4, group(A4, A5, A5), True, LOCAL, Action.CATCH_UP, True, A5),
+    ("one behind, max_staleness 0", A4, group(A4, A5, A5), True, STRICT, Action.RESYNC, False, A5),
+    ("two behind", A3, group(A3, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
+    ("ahead of the group", A6, group(A6, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
+    ("diverged at the same round", B5, group(B5, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
+    ("in the majority, one member behind", A5, group(A5, A5, A4), True, LOCAL, Action.APPLY, True, A5),
+    ("tie, on the larger side", B5, group(B5, A5), True, LOCAL, Action.APPLY, True, B5),
+    ("tie, on the smaller side", A5, group(A5, B5), True, LOCAL, Action.RESYNC, False, B5),
+    ("tie across rounds: one behind", A4, group(A4, A5), True, LOCAL, Action.CATCH_UP, True, A5),
+    ("malformed payloads do not vote", A4, group(A4, A5, garbage=3), True, LOCAL, Action.CATCH_UP, True, A5),
+    ("malformed outvoting nobody", A5, group(A5, garbage=4), True, LOCAL, Action.APPLY, True, A5),
+]
+
+
+@pytest.mark.parametrize(("mine", "gathered", "complete", "rules", "action", "counts", "majority"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])  # fmt: skip
+def test_decide(mine, gathered, complete, rules, action, counts, majority):
+    decision = decide(mine, gathered, complete, rules)
+    assert (decision.action, decision.counts, decision.majority) == (action, counts, majority), decision
+    assert decision.reason
+
+
+def test_every_member_of_a_group_decides_consistently():
+    """The same gathered payloads give each member its own action, and all agree on the majority."""
+    gathered = group(A5, A5, A4, A3, B5)
+    decisions = {p.tag: decide(p.tag, gathered, True, LOCAL) for p in gathered.payloads.values()}
+    assert {d.majority for d in decisions.values()} == {A5}
+    assert {t: d.action for t, d in decisions.items()} == {
+        A5: Action.APPLY,
+        A4: Action.CATCH_UP,
+        A3: Action.RESYNC,
+        B5: Action.RESYNC,
+    }
+    assert decisions[A5].out_of_sync == 3
+
+
+def test_reasons_name_what_happened():
+    assert "2 round(s) behind" in decide(A3, group(A3, A5, A5), True, LOCAL).reason
+    assert "ahead" in decide(A6, group(A6, A5, A5), True, LOCAL).reason
+    assert "diverged" in decide(B5, group(B5, A5, A5), True, LOCAL).reason
+    assert "3 malformed" in decide(A5, group(A5, A5, garbage=3), True, LOCAL).reason
+    assert "alone_policy=wait" in decide(A5, group(A5), False, WAIT).reason
+
+
+def test_majority_needs_a_valid_payload():
+    assert majority_tag(group(garbage=3)) is None
+    assert decide(A5, group(garbage=3), True, LOCAL).action is Action.APPLY  # nobody to disagree with
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        7,
+        "round 5",
+        [5, "aaaa"],
+        {"state": [5, "aaaa"], "tokens": 10},  # the version-1 payload of earlier releases
+        {"v": GATHER_VERSION + 1, "round": 5, "checksum": "aaaa", "tokens": 10},
+        {"v": GATHER_VERSION, "round": 5, "checksum": "aaaa"},
+        {"v": GATHER_VERSION, "round": 5, "checksum": "aaaa", "tokens": 10, "extra": 1},
+        {"v": GATHER_VERSION, "round": True, "checksum": "aaaa", "tokens": 10},
+        {"v": GATHER_VERSION, "round": 5.0, "checksum": "aaaa", "tokens": 10},
+        {"v": GATHER_VERSION, "round": -1, "checksum": "aaaa", "tokens": 10},
+        {"v": GATHER_VERSION, "round": 2**63, "checksum": "aaaa", "tokens": 10},
+        {"v": GATHER_VERSION, "round": 5, "checksum": "", "tokens": 10},
+        {"v": GATHER_VERSION, "round": 5, "checksum": "a" * 65, "tokens": 10},
+        {"v": GATHER_VERSION, "round": 5, "checksum": b"aaaa", "tokens": 10},
+        {"v": GATHER_VERSION, "round": 5, "checksum": "aaaa", "tokens": float("nan")},
+        {"v": GATHER_VERSION, "round": 5, "checksum": "aaaa", "tokens": -3},
+    ],
+)
+def test_malformed_payloads_are_dropped_and_counted(raw):
+    assert GatherPayload.from_wire(raw) is None
+    gathered = Gathered.parse({"me": GatherPayload(A5, 10).to_wire(), "them": raw})
+    assert list(gathered.payloads) == ["me"] and gathered.malformed == 1
+
+
+def test_payload_round_trip_and_non_string_peer_ids():
+    payload = GatherPayload(A5, 1234)
+    assert GatherPayload.from_wire(payload.to_wire()) == payload
+    gathered = Gathered.parse({"me": payload, 42: payload.to_wire()})  # typed (simulator) and a bad key
+    assert gathered.payloads == {"me": payload} and gathered.malformed == 1
+
+
+def test_round_rules_refuse_what_the_config_refuses():
+    with pytest.raises(ValueError, match="max_staleness"):
+        RoundRules(2, "local")
+    with pytest.raises(ValueError, match="alone_policy"):
+        RoundRules(1, "sometimes")
