@@ -18,8 +18,10 @@ Usage (copy-paste):
 
 Without --initial-peers it reads $P2P_DILOCO_INITIAL_PEERS, and starts a new swarm when that is unset too.
 Output: the ``--initial-peers ...`` line first (stdout, flushed), then every visible multiaddr, one per line.
-Runs until SIGINT/SIGTERM, then shuts the DHT and its p2pd down and exits 0. Bad input (a malformed address,
-an initial peer that does not answer, a busy port): one message on stderr, exit status 1.
+Runs until SIGINT/SIGTERM, then shuts the DHT and its p2pd down.
+Exit codes (as run_peer and run_monitor): 0 stopped by SIGINT/SIGTERM; 2 bad input (a malformed address, a busy
+port, an unusable key file), with one message on stderr; 3 no initial peer answered; 1 anything unexpected
+(the DHT process died).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.swarm.dht import (
     SwarmSetupError,
+    SwarmUnreachableError,
     add_initial_peers_argument,
     initial_peers_from_env,
     initial_peers_line,
@@ -46,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run_bootstrap",
         description="Run a DHT bootstrap node (no model) and print the --initial-peers line for other peers.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
     )
     parser.add_argument(
         "--host-maddrs", nargs="+", metavar="MADDR", help="multiaddrs to listen on (default: /ip4/0.0.0.0/tcp/PORT)"
@@ -79,9 +84,9 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _error(message: str) -> int:
+def _error(message: str, code: int = 2) -> int:
     print(f"run_bootstrap: error: {message}", file=sys.stderr, flush=True)
-    return 1
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 join_timeout=args.join_timeout,
                 new_swarm=not peers,
             )
+        except SwarmUnreachableError as exc:
+            return _error(str(exc), 3)
         except SwarmSetupError as exc:
             return _error(str(exc))
         maddrs = visible_maddrs(dht)
@@ -128,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         while dht.is_alive():
             time.sleep(1.0)
-        return _error("the DHT process exited unexpectedly")
+        return _error("the DHT process exited unexpectedly", 1)
     except KeyboardInterrupt:
         print("run_bootstrap: stopping", file=sys.stderr, flush=True)
         return 0

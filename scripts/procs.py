@@ -1,5 +1,8 @@
 """Child processes of a local swarm, for the tests and the benchmarks: start, read, stop, leave nothing behind.
 
+Not part of the installed library: the tests import it as ``scripts.procs`` (tests/conftest.py puts the
+repository root on sys.path) and scripts/bench/benchlib.py the same way, so there is one copy.
+
 Inputs:  a command line and an environment (torch/OpenMP threads default to 1 per child: several peers share
          one machine's cores, and OpenMP threads spin-waiting for descheduled siblings make an
          oversubscribed peer many times slower).

@@ -2,9 +2,12 @@
 
 Run: ``python tests/averager_worker.py '<json config>'``. Config keys: ``initial_peers`` (list of maddrs),
 ``prefix``, ``shapes`` (list of shapes), ``seed`` (pseudo-grads = make_grads(seed, shapes)), ``averager``
-(PseudoGradAverager keyword arguments), optional ``kill_after_parts`` (SIGKILL this peer's whole process
-group from inside the all-reduce once that many parts went to one reducer), optional ``state_meta`` (serve
-it with make_grads(seed + 1000, shapes) as the outer state), ``out_dir``.
+(PseudoGradAverager keyword arguments), optional ``tag`` ([round, checksum] this peer puts in its gather
+payload; default [0, "start"], the same on every peer), optional ``kill_after_parts`` (SIGKILL this peer's
+whole process group from inside the all-reduce once it has handed that many parts to other reducers;
+tests/faults.py), optional
+``state_meta`` (serve it with make_grads(seed + 1000, shapes) as the outer state), optional ``gather_garbage``
+(send this value instead of a gather payload), ``out_dir``.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
@@ -17,11 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # p2p_diloco of this working tree
+from faults import install_kill_after_sends  # noqa: E402  (tests/, this file's directory, is sys.path[0])
 
 
 def make_grads(seed: int, shapes: list[list[int]]) -> list[torch.Tensor]:
@@ -33,22 +39,14 @@ def emit(tag: str, payload: dict) -> None:
     print(f"{tag} {json.dumps(payload)}", flush=True)
 
 
-def install_kill_hook(after_parts: int) -> None:
-    """Patch the class before the averager process forks, so the hook runs inside the all-reduce."""
-    from hivemind.averaging.allreduce import AllReduceRunner
+class _Garbage:
+    """Stands in for a GatherPayload whose wire form is whatever the test says."""
 
-    original = AllReduceRunner._generate_input_for_peer
+    def __init__(self, value: object) -> None:
+        self.value = value
 
-    async def generate(self, peer_index):  # type: ignore[no-untyped-def]
-        sent = 0
-        async for message in original(self, peer_index):
-            yield message
-            sent += 1  # resumed: the previous message was taken by the sender
-            if sent >= after_parts:
-                emit("DYING", {"t": time.time(), "parts_sent": sent})
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-
-    AllReduceRunner._generate_input_for_peer = generate
+    def to_wire(self) -> object:
+        return self.value
 
 
 def main() -> None:
@@ -57,13 +55,15 @@ def main() -> None:
     from hivemind.dht import DHT
 
     from p2p_diloco.swarm.averager import PseudoGradAverager
+    from p2p_diloco.swarm.protocol import GatherPayload, RoundTag
 
     if cfg.get("kill_after_parts"):
-        install_kill_hook(int(cfg["kill_after_parts"]))
+        install_kill_after_sends(int(cfg["kill_after_parts"]), lambda sent: emit("DYING", {"t": time.time()}))
     shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]
     dht = DHT(initial_peers=cfg.get("initial_peers") or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     grads = make_grads(seed, shapes)
     averager = PseudoGradAverager(dht, grads, cfg["prefix"], **cfg["averager"])
+    rnd, checksum = cfg.get("tag") or [0, "start"]
     steps = []
     original_step = averager.step
 
@@ -81,11 +81,17 @@ def main() -> None:
         cmd, *args = line.split()
         if cmd == "REDUCE":
             t0 = time.monotonic()
-            gather = {"seed": seed} if cfg.get("state") is None else {"seed": seed, "state": cfg["state"]}
-            averaged, info = averager.reduce(grads, float(args[0]), gather=gather)
+            weight = float(args[0])
+            payload = GatherPayload(RoundTag(rnd, checksum), int(weight))
+            if "gather_garbage" in cfg:  # what a broken or hostile peer could send instead of a payload
+                payload = _Garbage(cfg["gather_garbage"])
+            averaged, info = averager.reduce(grads, weight, payload)
             seconds = time.monotonic() - t0
             torch.save(averaged, os.path.join(out_dir, "result.pt"))
-            emit("RESULT", {"info": dataclasses.asdict(info), "seconds": seconds, "peer_id": str(dht.peer_id)})
+            payloads = {p: g.to_wire() for p, g in info.gathered.payloads.items()}
+            gathered = {"payloads": payloads, "malformed": info.gathered.malformed}
+            report = {**dataclasses.asdict(info), "gathered": gathered}
+            emit("RESULT", {"info": report, "seconds": seconds, "peer_id": str(dht.peer_id)})
         elif cmd == "NAN":
             bad = [g.clone() for g in grads]
             bad[-1].view(-1)[0] = float("nan")

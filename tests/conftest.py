@@ -1,4 +1,5 @@
-"""Shared test setup: the repository root on sys.path, and a fixture that cleans up child processes."""
+"""Shared test setup: the repository root on sys.path (for ``peers``, ``scripts.procs`` and the working tree's
+``p2p_diloco`` ahead of any installed copy), and a fixture that cleans up child processes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from swarm_helpers import Proc  # noqa: E402
+from scripts.procs import Proc  # noqa: E402
 
 
 @pytest.fixture

@@ -1,38 +1,29 @@
 """run_peer with a fault injected: SIGKILL of the whole peer (process group) in the middle of an all-reduce.
 
-Usage: python tests/fault_peer.py KILL_AFTER_SENDS run_peer-args...
-The peer dies after it has handed KILL_AFTER_SENDS tensor parts to other peers' reducers (counted over the
-whole run), i.e. while the all-reduce of a chosen round is in flight. Prints ``DYING <unix time>`` first.
+Usage:   python tests/fault_peer.py KILL_AFTER_SENDS run_peer-args...
+Output:  run_peer's own output, plus ``DYING <unix time>`` on stdout just before the kill.
+State:   the hook of tests/faults.py, installed before run_peer starts its averager process.
+Failure: the peer dies after it has handed KILL_AFTER_SENDS tensor parts to other peers' reducers (counted over
+         the whole run), i.e. while the all-reduce of a chosen round is in flight; exit code -9 (SIGKILL).
 """
 
-import os
-import signal
+from __future__ import annotations
+
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # peers, p2p_diloco of this working tree
+
+from faults import install_kill_after_sends  # noqa: E402  (tests/, this file's directory, is sys.path[0])
 
 
-def install(after_sends: int) -> None:
-    from hivemind.averaging.allreduce import AllReduceRunner
-
-    original = AllReduceRunner._generate_input_for_peer
-    sent = [0]
-
-    async def generate(self, peer_index):  # runs in the averager process, which forks after this patch
-        async for message in original(self, peer_index):
-            yield message
-            sent[0] += 1
-            if sent[0] >= after_sends:
-                print(f"DYING {time.time()}", flush=True)
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-
-    AllReduceRunner._generate_input_for_peer = generate
+def _say_dying(sent: int) -> None:
+    print(f"DYING {time.time()}", flush=True)
 
 
 if __name__ == "__main__":
-    install(int(sys.argv[1]))
+    install_kill_after_sends(int(sys.argv[1]), _say_dying)
     from peers.run_peer import main
 
     sys.exit(main(sys.argv[2:]))

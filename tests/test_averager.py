@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from averager_worker import make_grads
+
+from scripts.procs import Proc
 
 WORKER = Path(__file__).with_name("averager_worker.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -33,56 +29,26 @@ FAST = dict(
 
 
 class Worker:
-    """One peer process; stdout lines are read by a thread into a queue, read back with a timeout."""
+    """One peer process (tests/averager_worker.py) speaking the READY/RESULT/... line protocol over stdio."""
 
     def __init__(self, name: str, cfg: dict, tmp: Path):
         self.name, self.out_dir = name, tmp / name
         self.out_dir.mkdir()
-        self.stderr_path = tmp / f"{name}.stderr"
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        with open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps({**cfg, "out_dir": str(self.out_dir)})],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                cwd=REPO,
-                start_new_session=True,
-            )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
+        config = json.dumps({**cfg, "out_dir": str(self.out_dir)})
+        self.proc = Proc([sys.executable, str(WORKER), config], stdin=True, cwd=REPO)
 
     def expect(self, tag: str, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                tail = self.stderr_path.read_text()[-3000:]
-                raise AssertionError(f"{self.name}: no {tag} line within {timeout}s; stderr tail:\n{tail}")
-            if line.startswith(tag + " "):
-                return json.loads(line[len(tag) + 1 :])
+        line = self.proc.wait_for_line(rf"^{tag} ", timeout=timeout).string
+        return json.loads(line[len(tag) + 1 :])
 
     def send(self, command: str) -> None:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
+        self.proc.send(command)
 
     def result(self, name: str = "result.pt") -> list[torch.Tensor]:
         return torch.load(self.out_dir / name)
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the peer's whole group: DHT child, p2pd, averager
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
+        self.proc.kill_group()  # the peer's whole group: DHT child, p2pd, averager
 
 
 @pytest.fixture
@@ -136,7 +102,7 @@ def test_three_peers_get_the_weighted_mean(spawn):
     for peer, res in zip(peers, results, strict=True):
         info = res["info"]
         assert info["complete"] and info["group_size"] == 3 and info["attempts"] == 1, info
-        assert sorted(p["seed"] for p in info["gathered"].values()) == [0, 1, 2]
+        assert sorted(p["tokens"] for p in info["gathered"]["payloads"].values()) == [1, 2, 5]  # every member's payload
         assert info["bytes_sent"] > 0 and info["matchmaking_seconds"] >= 0 and info["allreduce_seconds"] > 0
         assert_close(peer.result(), expected)
     first = peers[0].result()
@@ -192,10 +158,10 @@ def test_non_finite_input_raises_before_any_network_work(lone_peer):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("third_state", "counted"), [([1, "old"], [0, 1]), ([2, "old"], [0, 1, 2])])
-def test_members_out_of_sync_count_only_when_one_round_behind(spawn, third_state, counted):
-    """Gathered states [3, 3, x]: x two rounds behind averages with weight 0; one round behind still counts."""
-    states = {0: {"state": [3, "abc"]}, 1: {"state": [3, "abc"]}, 2: {"state": third_state}}
+@pytest.mark.parametrize(("third_tag", "counted"), [([1, "old"], [0, 1]), ([2, "old"], [0, 1, 2])])
+def test_members_out_of_sync_count_only_when_one_round_behind(spawn, third_tag, counted):
+    """Gathered tags [3, 3, x]: x two rounds behind averages with weight 0; one round behind still counts."""
+    states = {0: {"tag": [3, "abc"]}, 1: {"tag": [3, "abc"]}, 2: {"tag": third_tag}}
     peers = start_swarm(spawn, 3, per_peer=states)
     for peer in peers:
         peer.send("REDUCE 1.0")
@@ -204,6 +170,22 @@ def test_members_out_of_sync_count_only_when_one_round_behind(spawn, third_state
     for peer, res in zip(peers, results, strict=True):
         assert res["info"]["complete"] and res["info"]["group_size"] == 3, res
         assert_close(peer.result(), expected)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_malformed_gather_payload_is_dropped_and_counted_not_raised(spawn):
+    """A member whose payload is garbage still averages (its weight is its own), but never votes on the round."""
+    garbage = {2: {"gather_garbage": {"v": 1, "round": "three", "checksum": ["x"], "tokens": -1}}}
+    peers = start_swarm(spawn, 3, per_peer=garbage)
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 40) for peer in peers]
+    for peer, res in zip(peers, results, strict=True):
+        info = res["info"]
+        assert info["complete"] and info["group_size"] == 3, info
+        assert info["gathered"]["malformed"] == 1 and len(info["gathered"]["payloads"]) == 2, info
+        assert_close(peer.result(), weighted_mean([0, 1, 2], [1.0, 1.0, 1.0]))
 
 
 @pytest.mark.swarm

@@ -46,3 +46,10 @@ def test_render_rows_units_and_missing_items(tmp_path):
     assert "Test CPU, 2 cores" in text and "2026-01-02" in text
     assert "gpu.sh" in text and "Not run" in text  # GPU items absent: said so
     assert "how inner is measured" in text
+    assert "Smoke run" not in text
+
+
+def test_render_flags_smoke_results(tmp_path):
+    data = {**_result("inner", [row("tiny loop", 1.0, "tok/s", "bare loop", 1.0, 1.0, "median ratio")]), "smoke": True}
+    (tmp_path / "inner.json").write_text(json.dumps(data))
+    assert "**Smoke run**" in render.render(tmp_path) and "for inner:" in render.render(tmp_path)

@@ -29,7 +29,6 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from swarm_helpers import Proc, live_group_members, wait_until
 
 from p2p_diloco.monitor import ConsoleView, History, SwarmTracker, current_round, render_line
 from p2p_diloco.monitor_http import PlotCache, PortInUseError, bind, make_registry
@@ -37,6 +36,7 @@ from p2p_diloco.plots import PLOT_NAMES, render_plots, write_plots
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht
 from p2p_diloco.swarm.reader import RejectCounter, parse_entries
 from p2p_diloco.swarm.records import PeerRecord, make_record_validators, metrics_key
+from scripts.procs import Proc, live_group_members, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "monitor-test"

@@ -1,4 +1,4 @@
-"""p2p_diloco.procs: lines read with deadlines, errors that carry the child's output, a group kill that leaves
+"""scripts/procs.py: lines read with deadlines, errors that carry the child's output, a group kill that leaves
 nothing behind (a grandchild included)."""
 
 import os
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from p2p_diloco.procs import Proc, ProcessOutputError, descendants, live_group_members, wait_until
+from scripts.procs import Proc, ProcessOutputError, descendants, live_group_members, wait_until
 
 # prints a line, starts a grandchild that sleeps in the same process group, then waits for stdin lines
 CHILD = """

@@ -8,7 +8,6 @@ import time
 
 import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
-from swarm_helpers import live_descendants, wait_until
 
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht, visible_maddrs, wait_for_peers
 from p2p_diloco.swarm.records import (
@@ -20,6 +19,7 @@ from p2p_diloco.swarm.records import (
     publish_record,
     read_records,
 )
+from scripts.procs import descendants, wait_until
 
 RUN = "test-run"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -80,7 +80,7 @@ def test_parse_records_counts_garbage():
 @pytest.mark.swarm
 @pytest.mark.timeout(60)
 def test_records_signed_validated_and_read_back():
-    before = {pid for pid, _ in live_descendants(os.getpid())}
+    before = {pid for pid, _, _ in descendants(os.getpid())}
     validators_a, key_a = make_record_validators(RUN)
     validators_b, key_b = make_record_validators(RUN)
     dhts = []
@@ -140,10 +140,9 @@ def test_records_signed_validated_and_read_back():
 
     def leftovers():
         return [
-            p
-            for p in live_descendants(os.getpid())
-            if p[0] not in before  # noqa: E731
-            and not p[1].startswith("torch_shm")
+            (pid, name)
+            for pid, _, name in descendants(os.getpid())
+            if pid not in before and not name.startswith("torch_shm")
         ]
 
     assert wait_until(lambda: not leftovers(), 5), leftovers()

@@ -19,6 +19,7 @@ import pytest
 from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state
 from p2p_diloco.config import load_config
 from p2p_diloco.simulate import simulate
+from scripts.procs import live_group_members, wait_until
 
 pytestmark = pytest.mark.swarm
 
@@ -268,8 +269,6 @@ def test_bad_initial_peers_fail_fast_with_a_message(spawn, tmp_path, initial, co
 
 @pytest.mark.timeout(180)
 def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tmp_path):
-    from swarm_helpers import live_group_members, wait_until
-
     solo = ["train.outer_steps=5", "swarm.matchmaking_time=1", "swarm.request_timeout=0.5", "swarm.linger_seconds=0"]
     peer = start_peer(spawn, [], tmp_path / "p", *solo)
     peer.wait_for_line(r"^round 2/5 ", timeout=120)

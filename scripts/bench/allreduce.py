@@ -2,13 +2,16 @@
 
 Usage:
     python scripts/bench/allreduce.py [--sizes 1000000 10000000 50000000] [--peers 2 3 4] [--reps 3]
+    python scripts/bench/allreduce.py --smoke [--out DIR/allreduce.json]   # 2 peers, 20k params, 1 + 1 repeats
 
 For each number of peers n, n worker processes start on 127.0.0.1 (this file with ``--worker``). Each holds
 a hivemind DHT, one ``PseudoGradAverager`` per size (the class run_peer uses, configured like run_peer:
 no compression, 2 MiB parts, ``target_group_size = min_group_size = n`` so a group forms when full) and a
 gloo process group over the same n processes. Per size and repeat, every worker:
   A. gloo barrier, then ``averager.reduce([Δ], weight=1)`` (matchmaking + butterfly all-reduce + the
-     completeness vote; seconds from ReduceInfo and the wall time of the call);
+     completeness vote); the wall time of the call, and its phases as ReduceInfo reports them: input checks
+     (``check_seconds``), copies into the shared buffers and of the result out (``copy_seconds``),
+     ``matchmaking_seconds``, ``allreduce_seconds``; the wall time not in any of them is kept as ``unaccounted``;
   B. gloo barrier, then ``dist.all_reduce`` of the same fp32 tensor (the reference), and checks that
      gloo's mean equals hivemind's (max abs difference recorded).
 A and B alternate (A/B/A/B...), so both see the same machine load. The first repeat of each size is a
@@ -22,7 +25,9 @@ Bytes per peer, three ways (all recorded; the table shows the first):
            wire, libp2p framing, encryption and DHT chatter included;
   estimate hivemind's/ReduceInfo's own estimate (fp32 values, no framing).
 The reference is the butterfly's lower bound 2(n-1)/n x 4 bytes x size; gloo's own TCP bytes are recorded too.
-Output: scripts/bench/results/allreduce.json.
+Output: scripts/bench/results/allreduce.json (``--out`` to write elsewhere; ``--smoke`` without ``--out``: a
+temporary directory). Failure: a group that stalls past ``--timeout`` or a worker that dies is killed (its process
+group) and noted in ``problems``; the sizes it did not finish are listed as not measured.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
     Proc,
     Recorder,
+    descendants,
     exit_on_sigterm,
+    fill_defaults,
     free_port,
     median,
     single_thread_env,
@@ -57,6 +64,8 @@ AVERAGER_SETTINGS: dict[str, Any] = {
     "round_deadline": 300.0,
     "max_reduce_attempts": 3,  # SwarmConfig default (see the note on attempts in the report)
 }
+DEFAULTS: dict[str, Any] = {"sizes": [1_000_000, 10_000_000, 50_000_000], "peers": [2, 3, 4], "reps": 3, "warmup": 1}
+SMOKE: dict[str, Any] = {"sizes": [20_000], "peers": [2], "reps": 1, "warmup": 1, "timeout": 90.0}
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -107,7 +116,6 @@ def worker(cfg: dict[str, Any]) -> None:
     from p2p_diloco.swarm.dht import wait_for_peers
 
     rank, world, sizes = cfg["rank"], cfg["world"], cfg["sizes"]
-    phases = _time_phases(PseudoGradAverager)
     dht = DHT(initial_peers=cfg.get("initial_peers") or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     _emit("READY", {"maddrs": [str(m) for m in dht.get_visible_maddrs()]})
     wait_for_peers(dht, world - 1, timeout=120)
@@ -131,7 +139,7 @@ def worker(cfg: dict[str, Any]) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=600),
     )
-    p2pd = [p for p, _, name in _descendants(dht.pid) if name == "p2pd"]
+    p2pd = [p for p, _, name in descendants(dht.pid) if name == "p2pd"]
     _emit("STARTED", {"p2pd": p2pd, "pid": os.getpid()})
     for size in sizes:
         averager = averagers[size]
@@ -164,6 +172,8 @@ def worker(cfg: dict[str, Any]) -> None:
                     "rep": rep,
                     "warmup": rep < cfg["warmup"],
                     "hivemind_wall": hm_wall,
+                    "check_seconds": info.check_seconds,
+                    "copy_seconds": info.copy_seconds,
                     "matchmaking_seconds": info.matchmaking_seconds,
                     "allreduce_seconds": info.allreduce_seconds,
                     "complete": info.complete,
@@ -172,46 +182,18 @@ def worker(cfg: dict[str, Any]) -> None:
                     "estimate_bytes": info.bytes_sent,
                     "payload_bytes": bytes1 - bytes0,
                     "tcp_bytes": tcp1 - tcp0,
-                    "phases": dict(phases),
                     "gloo_wall": gloo_wall,
                     "gloo_tcp_bytes": g1 - g0,
                     "max_abs_diff_vs_gloo": diff,
                 },
             )
             del averaged
-            phases.clear()
     dist.barrier()
     dist.destroy_process_group()
     for averager in averagers.values():
         averager.shutdown()
     dht.shutdown()
     _emit("DONE", {"rank": rank})
-
-
-def _time_phases(cls: Any) -> dict[str, float]:
-    """Wrap the host-side steps of ``reduce`` to split its wall time (input checks, the attempt itself)."""
-    phases: dict[str, float] = {}
-
-    def timed(name: str, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-
-        return wrapper
-
-    cls._check_inputs = timed("check_inputs", cls._check_inputs)
-    cls._attempt = timed("attempt", cls._attempt)
-    cls.step = timed("step_call", cls.step)
-    return phases
-
-
-def _descendants(pid: int) -> list[tuple[int, int, str]]:
-    from benchlib import descendants
-
-    return descendants(pid)
 
 
 def _tcp_sent(pids: list[int]) -> int:
@@ -268,9 +250,9 @@ def run_group(
                     if rank == 0:
                         print(
                             f"  n={world} size={rec['size']:>9,} rep={rec['rep']} hivemind {rec['hivemind_wall']:.2f}s"
-                            f" (mm {rec['matchmaking_seconds']:.2f} + ar {rec['allreduce_seconds']:.2f})"
-                            f" gloo {rec['gloo_wall']:.3f}s complete={rec['complete']}"
-                            f" phases {json.dumps({k: round(v, 3) for k, v in rec['phases'].items()})}",
+                            f" (check {rec['check_seconds']:.3f} + copy {rec['copy_seconds']:.3f}"
+                            f" + mm {rec['matchmaking_seconds']:.2f} + ar {rec['allreduce_seconds']:.2f})"
+                            f" gloo {rec['gloo_wall']:.3f}s complete={rec['complete']}",
                             flush=True,
                         )
                 elif line.startswith("DONE "):
@@ -328,10 +310,19 @@ def summarise(world: int, size: int, recs: list[dict[str, Any]]) -> dict[str, An
         "tcp_bytes": mean(r["tcp_bytes"] for r in every),
         "estimate_bytes": mean(r["estimate_bytes"] for r in every),
         "gloo_tcp_bytes": mean(r["gloo_tcp_bytes"] for r in every),
-        "host_overhead_seconds": median(
-            r["hivemind_wall"] - r["matchmaking_seconds"] - r["allreduce_seconds"] for r in every
+        # ReduceInfo's host-side phases: input checks + copies into the shared buffers and of the result out
+        "check_seconds": median(r["check_seconds"] for r in every),
+        "copy_seconds": median(r["copy_seconds"] for r in every),
+        "host_overhead_seconds": median(r["check_seconds"] + r["copy_seconds"] for r in every),
+        # the reduce() wall time that no phase reports (thread hand-offs, retries' bookkeeping)
+        "unaccounted_seconds": median(
+            r["hivemind_wall"]
+            - r["check_seconds"]
+            - r["copy_seconds"]
+            - r["matchmaking_seconds"]
+            - r["allreduce_seconds"]
+            for r in every
         ),
-        "check_inputs_seconds": median(r["phases"].get("check_inputs", 0.0) for r in every),
         "max_abs_diff_vs_gloo": max(diffs) if diffs else None,
         "reasons": sorted({r["reason"] for r in every if r["reason"]}),
         "retried_peer_rounds": sum(1 for r in every if r["reason"]),
@@ -341,19 +332,20 @@ def summarise(world: int, size: int, recs: list[dict[str, Any]]) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000, 50_000_000])
-    p.add_argument("--peers", type=int, nargs="+", default=[2, 3, 4])
-    p.add_argument("--reps", type=int, default=3, help="timed repeats per size (after one warm-up)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=420.0, help="seconds allowed per number of peers")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help=f"parameters per tensor ({DEFAULTS['sizes']})")
+    p.add_argument("--peers", type=int, nargs="+", default=None, help=f"group sizes ({DEFAULTS['peers']})")
+    p.add_argument("--reps", type=int, default=None, help="timed repeats per size, after the warm-up (3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed repeats per size first (1)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds allowed per number of peers (420)")
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/allreduce.json)")
+    p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
+    args = fill_defaults(p.parse_args(argv), {**DEFAULTS, "timeout": 420.0}, SMOKE)
     exit_on_sigterm()
     if args.worker:
         worker(json.loads(args.worker))
         return 0
 
-    rec = Recorder("allreduce", {k: v for k, v in vars(args).items() if k != "worker"})
+    rec = Recorder("allreduce", {k: v for k, v in vars(args).items() if k != "worker"}, smoke=args.smoke)
     summaries: list[dict[str, Any]] = []
     problems: dict[str, str] = {}
     diagnostics: list[dict[str, Any]] = []
@@ -376,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{n} peers, {size / 1e6:g}M params"
         rec.add(
             figure=f"{label}: round wall s (matchmaking {s['matchmaking_seconds']:.2f} + all-reduce "
-            f"{s['allreduce_seconds']:.2f} + host-side copies/checks {s['host_overhead_seconds']:.2f})"
+            f"{s['allreduce_seconds']:.2f} + host-side copies/checks {s['host_overhead_seconds']:.2f} + other "
+            f"{s['unaccounted_seconds']:.2f})"
             + (
                 f"; {s['retried_peer_rounds']} of {s['peer_rounds']} peer-rounds retried after a detected "
                 "incomplete all-reduce"
@@ -409,9 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     rec.notes.append(
         "Worker processes run with 1 torch thread each; all peers share this machine's cores and loopback. "
         "Round wall = slowest peer's reduce() call after a common gloo barrier; gloo = slowest rank's all_reduce. "
-        "Matchmaking and all-reduce seconds are ReduceInfo's (medians over peers and repeats); host-side "
-        "copies/checks = the rest of the reduce() call (input finite check, copy into the shared buffers, copy of "
-        "the result, its finite check)."
+        "The phases are ReduceInfo's, medians over peers and repeats: matchmaking, all-reduce (with the "
+        "completeness vote), host-side copies/checks = check_seconds (input shapes and finite check) + copy_seconds "
+        "(copy into the shared buffers, copy of the result out and its finite check); other = the rest of the "
+        "reduce() call's wall time."
     )
     rec.notes.append(
         "Bytes: 'payload' = protobuf bytes each averager handed to p2pd (counted in the averager process); "

@@ -1,16 +1,22 @@
 """Shared helpers of the benchmark suite: machine facts, result files, child processes, /proc and ss readers.
 
 Every benchmark module in scripts/bench/ imports this file (it sits beside them, so ``python
-scripts/bench/<item>.py`` finds it). Nothing here measures anything by itself.
+scripts/bench/<item>.py`` finds it); importing it puts the repository root first on sys.path, so the modules get
+this working tree's p2p_diloco and the process helpers of scripts/procs.py (the copy the tests use). Nothing here
+measures anything by itself.
 
 Result files: ``scripts/bench/results/<item>.json`` = ``{"item", "machine", "started", "finished",
 "load_before", "load_after", "wall_seconds", "args", "rows": [...], "notes": [...], ...}``. A row is one line
 of BENCHMARKS.md: ``{"figure", "value", "unit", "reference", "reference_value", "ratio", "ratio_kind"}``
 (``ratio_kind`` says which way is better, e.g. "higher is better").
+
+Smoke runs (every module's ``--smoke``: tiny sizes, a few seconds, for the tests) carry ``"smoke": true`` and never
+land in results/ unless asked: without ``--out`` they go to a fresh temporary directory (``Recorder.write``).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -21,17 +27,22 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco import procs
-from p2p_diloco.procs import descendants
-
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
+# the repository root first: scripts.procs (the one copy of the process helpers, shared with the tests) and this
+# working tree's p2p_diloco rather than an installed copy
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts import procs  # noqa: E402
+from scripts.procs import descendants  # noqa: E402
 
 __all__ = [
     "BENCH_DIR",
@@ -41,6 +52,7 @@ __all__ = [
     "Recorder",
     "descendants",
     "exit_on_sigterm",
+    "fill_defaults",
     "free_port",
     "load_now",
     "machine",
@@ -138,10 +150,14 @@ def row(
 
 
 class Recorder:
-    """Collects a module's rows and notes and writes ``results/<item>.json`` with machine and load facts."""
+    """Collects a module's rows and notes and writes ``results/<item>.json`` with machine and load facts.
 
-    def __init__(self, item: str, args: dict[str, Any] | None = None) -> None:
-        self.item, self.args = item, args or {}
+    ``smoke``: a smoke run; its payload says so and, without an explicit path, it is written to a fresh temporary
+    directory instead of results/ (a smoke figure must never replace a measured one).
+    """
+
+    def __init__(self, item: str, args: dict[str, Any] | None = None, smoke: bool = False) -> None:
+        self.item, self.args, self.smoke = item, args or {}, smoke
         self.started, self.t0 = load_now(), time.monotonic()
         self.rows: list[dict[str, Any]] = []
         self.notes: list[str] = []
@@ -151,7 +167,13 @@ class Recorder:
         self.rows.append(row(**kw))
 
     def write(self, path: Path | None = None) -> Path:
-        target = path or RESULTS_DIR / f"{self.item}.json"
+        """Write the result file atomically: ``path``, else results/<item>.json (smoke: a temporary directory)."""
+        if path is not None:
+            target = path
+        elif self.smoke:
+            target = Path(tempfile.mkdtemp(prefix=f"bench_smoke_{self.item}_")) / f"{self.item}.json"
+        else:
+            target = RESULTS_DIR / f"{self.item}.json"
         target.parent.mkdir(parents=True, exist_ok=True)
         finished = load_now()
         payload = {
@@ -163,6 +185,7 @@ class Recorder:
             "load_after": finished["loadavg"],
             "wall_seconds": round(time.monotonic() - self.t0, 1),
             "args": self.args,
+            "smoke": self.smoke,
             "rows": self.rows,
             "notes": self.notes,
             **self.data,
@@ -171,6 +194,18 @@ class Recorder:
         tmp.write_text(json.dumps(payload, indent=2, default=str))
         tmp.replace(target)
         return target
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any], smoke: dict[str, Any]) -> argparse.Namespace:
+    """Set each option in ``defaults`` that is still None: from ``smoke`` when ``args.smoke``, else ``defaults``.
+
+    Options given on the command line win in both modes, so ``--smoke --peers 3`` is a smoke run with 3 peers.
+    """
+    table = {**defaults, **smoke} if getattr(args, "smoke", False) else defaults
+    for key, value in table.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -187,7 +222,7 @@ def single_thread_env(threads: int = 1, extra: dict[str, str] | None = None) -> 
 
 
 class Proc(procs.Proc):
-    """A p2p_diloco.procs.Proc started from the repository root."""
+    """A scripts.procs.Proc started from the repository root."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: bool = False) -> None:
         super().__init__(args, env=env, stdin=stdin, cwd=ROOT)

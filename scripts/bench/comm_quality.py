@@ -2,6 +2,7 @@
 
 Usage:
     python scripts/bench/comm_quality.py [--total-steps 300] [--h 10 50 100] [--workers 4] [--jobs 2]
+    python scripts/bench/comm_quality.py --smoke [--out DIR/comm_quality.json]   # 2 workers, 4 steps, H=2
 
 Runs ``p2p_diloco.simulate.simulate`` (the numerical reference of the swarm) on configs/tiny.yaml with
 ``--workers`` workers at equal tokens: every run takes ``--total-steps`` inner steps per worker (DiLoCo:
@@ -13,7 +14,8 @@ below the target.
 Targets: (1) the sync baseline's final eval loss + 2% (the issue's threshold); (2) the highest final loss
 of all runs, so that every run reaches it and the bytes can be compared even when (1) is out of reach.
 Runs are deterministic (seeded) and independent of the machine's speed, so they run ``--jobs`` at a time.
-Output: scripts/bench/results/comm_quality.json.
+Output: scripts/bench/results/comm_quality.json (``--out`` to write elsewhere; ``--smoke`` without ``--out``: a
+temporary directory). Failure: a simulation that raises fails the whole item (non-zero exit, no result file).
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, Recorder, exit_on_sigterm, read_jsonl  # noqa: E402
+from benchlib import ROOT, Recorder, exit_on_sigterm, fill_defaults, read_jsonl  # noqa: E402
+
+DEFAULTS: dict[str, Any] = {"workers": 4, "total_steps": 300, "h": [10, 50, 100], "sync_h": 10, "eval_batches": 16}
+SMOKE: dict[str, Any] = {
+    "workers": 2,
+    "total_steps": 4,
+    "h": [2],
+    "sync_h": 2,
+    "eval_batches": 1,
+    "overrides": ["data.batch_size=2", "data.seq_len=32"],
+}
 
 
 def _simulate(name: str, config: str, mode: str, workers: int, overrides: list[str], out: str) -> dict[str, Any]:
@@ -64,21 +76,22 @@ def crossing(run: dict[str, Any], threshold: float) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/tiny.yaml")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--total-steps", type=int, default=300, help="inner steps per worker, equal for every run")
-    p.add_argument("--h", type=int, nargs="+", default=[10, 50, 100])
-    p.add_argument("--sync-h", type=int, default=10, help="sync steps per round (= evaluation interval)")
-    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--workers", type=int, default=None, help="simulated workers (4)")
+    p.add_argument("--total-steps", type=int, default=None, help="inner steps per worker, equal for every run (300)")
+    p.add_argument("--h", type=int, nargs="+", default=None, help="DiLoCo inner steps per round (10 50 100)")
+    p.add_argument("--sync-h", type=int, default=None, help="sync steps per round (= evaluation interval; 10)")
+    p.add_argument("--eval-batches", type=int, default=None, help="eval batches per evaluation (16)")
     p.add_argument("--margin", type=float, default=0.02, help="target = sync final loss x (1 + margin)")
     p.add_argument("--jobs", type=int, default=2, help="simulations run at once (each single-threaded)")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--set", dest="overrides", action="append", default=None, help="config override k=v (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/comm_quality.json)")
+    p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
+    args = fill_defaults(p.parse_args(argv), {**DEFAULTS, "overrides": []}, SMOKE)
     exit_on_sigterm()
     for h in [*args.h, args.sync_h]:
         if args.total_steps % h:
             raise SystemExit(f"--total-steps {args.total_steps} is not a multiple of {h}")
-    rec = Recorder("comm_quality", vars(args))
+    rec = Recorder("comm_quality", vars(args), smoke=args.smoke)
     common = [
         *args.overrides,
         "train.eval_every=1",

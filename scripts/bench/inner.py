@@ -3,6 +3,7 @@
 Usage:
     python scripts/bench/inner.py                       # tiny + small (small with a CPU-sized batch)
     python scripts/bench/inner.py --case small:configs/small.yaml --device cuda --steps 50 --pairs 7
+    python scripts/bench/inner.py --smoke [--out DIR/inner.json]   # tiny at batch 2 x 32, 2 pairs of 2 steps
 
 A = ``Worker.train_inner`` (``InnerOptimizer.run``: the code run_peer runs, batches drawn from the data
 pipeline's shard iterator, lr schedule, clipping, ``loss.item()`` per step, an ``on_step`` callback that
@@ -13,7 +14,8 @@ device, no per-step host sync, no schedule. B drives the SAME model and the same
 would have been measured as loop overhead). Blocks of ``--steps`` steps run A/B, B/A, A/B, ...
 (``--pairs`` pairs after one warm-up block each); each pair gives a ratio A/B of tokens/s and the table
 shows the median ratio. On CUDA it also reports MFU and peak memory of each side.
-Output: scripts/bench/results/inner.json (``--out`` to write elsewhere).
+Output: scripts/bench/results/inner.json (``--out`` to write elsewhere; a ``--smoke`` run without ``--out`` writes
+to a temporary directory and prints the path). Failure: an exception (non-zero exit) if a case cannot run.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, Recorder, exit_on_sigterm, median  # noqa: E402
+from benchlib import ROOT, Recorder, exit_on_sigterm, fill_defaults, median  # noqa: E402
 
 DEFAULT_CASES = [
     "tiny:configs/tiny.yaml",
     "small:configs/small.yaml:data.batch_size=2,data.seq_len=64",
 ]
+SMOKE = {"case": ["tiny:configs/tiny.yaml:data.batch_size=2,data.seq_len=32"], "steps": 2, "pairs": 2}
 # dense bf16 peak FLOP/s by GPU name fragment (vendor datasheets); BENCH_PEAK_TFLOPS overrides
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
@@ -186,17 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--steps", type=int, default=None, help="inner steps per block (default: CPU tiny 10, small 3; CUDA 50)"
     )
-    p.add_argument("--pairs", type=int, default=16, help="A/B pairs after the warm-up (median ratio reported)")
+    p.add_argument("--pairs", type=int, default=None, help="A/B pairs after the warm-up (median ratio reported; 16)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared machine)")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/inner.json)")
+    p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
+    args = fill_defaults(p.parse_args(argv), {"case": DEFAULT_CASES, "pairs": 16}, SMOKE)
     exit_on_sigterm()
     import torch
 
     torch.set_num_threads(args.threads)
-    cases = args.case or DEFAULT_CASES
-    rec = Recorder("inner" if args.device == "cpu" else "gpu_inner", vars(args))
+    cases = args.case
+    rec = Recorder("inner" if args.device == "cpu" else "gpu_inner", vars(args), smoke=args.smoke)
     results = []
     for spec in cases:
         name, config, *rest = spec.split(":")

@@ -2,6 +2,7 @@
 
 Usage:
     python scripts/bench/memory.py [--case small:configs/small.yaml:data.batch_size=2,data.seq_len=64] [--rounds 3]
+    python scripts/bench/memory.py --smoke [--out DIR/memory.json]   # tiny, 2 rounds of H=2, 2 plain steps
 
 Reference: a process (this file with ``--plain``) that trains the same model on the same batch shape with a
 bare AdamW loop (as in inner.py) for ``--steps`` steps; its VmHWM (peak resident set) from /proc.
@@ -14,7 +15,9 @@ Figures: the tree's peak = sum of the processes' VmHWM (an upper bound: pages sh
 its forked children count twice) and the peak of the sampled sum of Pss (no double counting; a short spike
 between two samples can be missed); extra bytes per parameter = (tree peak - plain peak) / parameters.
 GPU memory: on a CUDA machine gpu.sh reports torch's peak allocation; this module measures host memory.
-Output: scripts/bench/results/memory.json.
+Output: scripts/bench/results/memory.json (``--out`` to write elsewhere; ``--smoke`` without ``--out``: a
+temporary directory). Failure: the plain reference not reporting within ``--timeout`` raises (non-zero exit); a
+swarm peer that exits non-zero or outlives ``--timeout`` is killed (every process group) and noted as ``problem``.
 """
 
 from __future__ import annotations
@@ -36,12 +39,21 @@ from benchlib import (  # noqa: E402
     Recorder,
     descendants,
     exit_on_sigterm,
+    fill_defaults,
     proc_memory,
     single_thread_env,
     start_swarm,
 )
 
 DEFAULT_CASE = "small:configs/small.yaml:data.batch_size=2,data.seq_len=64"
+DEFAULTS: dict[str, Any] = {"case": DEFAULT_CASE, "h": 10, "rounds": 3, "steps": 20, "timeout": 300.0}
+SMOKE: dict[str, Any] = {
+    "case": "tiny:configs/tiny.yaml:data.batch_size=2,data.seq_len=32",
+    "h": 2,
+    "rounds": 2,
+    "steps": 2,
+    "timeout": 120.0,
+}
 
 
 def plain(config: str, sets: list[str], steps: int) -> None:
@@ -131,13 +143,14 @@ class TreeSampler:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--case", default=DEFAULT_CASE, help="name:config[:k=v,k=v]")
-    p.add_argument("--h", type=int, default=10, help="inner steps per round of the swarm")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20, help="steps of the plain reference")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--case", default=None, help=f"name:config[:k=v,k=v] ({DEFAULT_CASE})")
+    p.add_argument("--h", type=int, default=None, help="inner steps per round of the swarm (10)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the swarm (3)")
+    p.add_argument("--steps", type=int, default=None, help="steps of the plain reference (20)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds allowed for each of the two runs (300)")
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/memory.json)")
+    p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
+    args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
     exit_on_sigterm()
     name, config, *rest = args.case.split(":")
     sets = [s for s in (rest[0].split(",") if rest else []) if s]
@@ -145,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         plain(config, sets, args.steps)
         return 0
 
-    rec = Recorder("memory", vars(args))
+    rec = Recorder("memory", vars(args), smoke=args.smoke)
     me = str(Path(__file__).resolve())
     ref = Proc(
         [sys.executable, me, "--plain", "--case", args.case, "--steps", str(args.steps)], env=single_thread_env()

@@ -6,7 +6,8 @@ Usage:
 Reads ``<item>.json`` for the items inner, allreduce, utilisation, comm_quality, memory (and gpu_inner,
 gpu_swarm when gpu.sh ran), plus ``run_all.json`` (total runtime, load). Every table row shows the figure,
 its reference measured in the same run, the ratio, the machine and the date. Missing results are listed
-as not run. Nothing is measured here.
+as not run; results of a ``--smoke`` run (tiny sizes, to check the scripts) are flagged as such in the text.
+Nothing is measured here.
 """
 
 from __future__ import annotations
@@ -149,6 +150,14 @@ def render(results: Path) -> str:
         "machine, interleaved where possible. Raw numbers: `scripts/bench/results/*.json`."
     )
     lines.append("")
+    smoke = [item for item, data in (("run_all", run_all), *found.items()) if data and data.get("smoke")]
+    if smoke:
+        lines.append(
+            "**Smoke run** (`--smoke`: tiny sizes, seconds each, to check that the scripts work) for "
+            + ", ".join(smoke)
+            + ": these figures are not measurements."
+        )
+        lines.append("")
     if run_all:
         lines.append(
             f"Last full run: {run_all['started'][:16].replace('T', ' ')} UTC, {machine_text(run_all['machine'])}, "

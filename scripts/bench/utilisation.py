@@ -3,6 +3,7 @@
 Usage:
     python scripts/bench/utilisation.py                          # tiny and small, H in {10, 100, 500}
     python scripts/bench/utilisation.py --case tiny:configs/tiny.yaml --h 100 --rounds 3 --peers 3
+    python scripts/bench/utilisation.py --smoke [--out DIR/utilisation.json]   # 2 tiny peers, H=2, 2 rounds
 
 Each case starts a bootstrap node and ``--peers`` real ``run_peer`` processes on 127.0.0.1 (one data shard
 each, ``swarm.target_group_size = min_group_size = peers``, so a group forms as soon as every peer is
@@ -19,7 +20,9 @@ for the other peers' start-up. Peers run with one torch thread each: ``peers`` p
 machine's cores, so compute is slower than on a dedicated core and the figures are what this machine gives.
 The small config runs at batch 1 x 32 on CPU (its own 16 x 256 takes about 1 s per step per core): less
 compute per round makes its utilisation figures lower bounds for the real batch.
-Output: scripts/bench/results/utilisation.json.
+Output: scripts/bench/results/utilisation.json (``--out`` to write elsewhere; ``--smoke`` without ``--out``: a
+temporary directory). Failure: a swarm run past ``--timeout`` or a peer that exits non-zero is killed (every
+process group) and noted in the case's ``problem``; a case without 2 rounds on record is listed as not measured.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import Recorder, exit_on_sigterm, read_jsonl, start_swarm  # noqa: E402
+from benchlib import Recorder, exit_on_sigterm, fill_defaults, read_jsonl, start_swarm  # noqa: E402
 
 # name:config[:k=v,k=v]; rounds per H (the first round is not counted when there are 2 or more)
 DEFAULT_CASES = [
@@ -41,6 +44,14 @@ DEFAULT_CASES = [
     "small:configs/small.yaml:data.batch_size=1,data.seq_len=32",
 ]
 DEFAULT_ROUNDS = {"tiny": {10: 4, 100: 3, 500: 2}, "small": {10: 3, 100: 2, 500: 1}}
+DEFAULTS: dict[str, Any] = {"case": DEFAULT_CASES, "h": [10, 100, 500], "peers": 3, "timeout": 600.0}
+SMOKE: dict[str, Any] = {
+    "case": ["tiny:configs/tiny.yaml:data.batch_size=2,data.seq_len=32"],
+    "h": [2],
+    "rounds": 2,
+    "peers": 2,
+    "timeout": 120.0,
+}
 
 
 def swarm_overrides(h: int, rounds: int, peers: int) -> list[str]:
@@ -175,22 +186,23 @@ def run_case(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", action="append", default=None, help="name:config[:k=v,k=v] (repeatable)")
-    p.add_argument("--h", type=int, nargs="+", default=[10, 100, 500])
+    p.add_argument("--case", action="append", default=None, help="name:config[:k=v,k=v] (repeatable; tiny, small)")
+    p.add_argument("--h", type=int, nargs="+", default=None, help="inner steps per round (10 100 500)")
     p.add_argument(
         "--rounds", type=int, default=None, help="rounds per run (default: tiny 4/3/2, small 3/2/1 for H 10/100/500)"
     )
-    p.add_argument("--peers", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per swarm run")
+    p.add_argument("--peers", type=int, default=None, help="run_peer processes per swarm (3)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds allowed per swarm run (600)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="extra overrides for every peer")
     p.add_argument("--item", default="utilisation", help="result name (results/<item>.json)")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/<item>.json)")
+    p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
+    args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
     exit_on_sigterm()
-    rec = Recorder(args.item, vars(args))
+    rec = Recorder(args.item, vars(args), smoke=args.smoke)
     cases = []
     with tempfile.TemporaryDirectory(prefix="bench_util_") as tmp:
-        for spec in args.case or DEFAULT_CASES:
+        for spec in args.case:
             name, config, *rest = spec.split(":")
             sets = [s for s in (rest[0].split(",") if rest else []) if s] + list(args.overrides)
             for h in args.h:

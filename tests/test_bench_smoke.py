@@ -1,0 +1,141 @@
+"""Every benchmark script in scripts/bench/ in its ``--smoke`` mode: it runs, exits 0 and writes sensible rows.
+
+Each script runs as ``python scripts/bench/<item>.py --smoke --out <tmp>/<item>.json`` (run_all: ``--results
+<tmp>``) in its own session, with a deadline; on a failure or a timeout it is SIGTERMed (its ``finally`` blocks
+stop the swarms it started) and then its process group is SIGKILLed. The measured results in
+scripts/bench/results/ and BENCHMARKS.md must be left untouched. A few seconds to about a minute each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.procs import Proc
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "scripts" / "bench"
+
+
+@pytest.fixture(autouse=True)
+def measured_results_untouched():
+    """The smoke runs write only where they are told: results/*.json and BENCHMARKS.md keep their mtimes."""
+    paths = [*sorted((BENCH / "results").glob("*.json")), ROOT / "BENCHMARKS.md"]
+    before = {p: p.stat().st_mtime_ns for p in paths if p.exists()}
+    yield
+    after = {p: p.stat().st_mtime_ns for p in paths if p.exists()}
+    assert after == before, "a smoke run wrote over the measured results"
+    assert sorted((BENCH / "results").glob("*.json")) == sorted(p for p in before if p.suffix == ".json")
+
+
+def run_smoke(script: str, args: list[str], timeout: float) -> Proc:
+    """Run ``script --smoke args`` to completion within ``timeout`` seconds; fail (with its output) unless rc 0."""
+    proc = Proc([sys.executable, str(BENCH / script), "--smoke", *args], cwd=ROOT)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except Exception:  # subprocess.TimeoutExpired
+        proc.stop(grace=20.0)
+        pytest.fail(f"{script} --smoke did not finish within {timeout:.0f} s\n{proc.describe(60)}")
+    finally:
+        if proc.alive():
+            proc.stop(grace=20.0)
+        proc.kill_group()
+    assert rc == 0, proc.describe(60)
+    return proc
+
+
+def load(path: Path, item: str) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    assert data["item"] == item and data["smoke"] is True, data
+    assert data["rows"], f"{item}: no rows; notes: {data['notes']}"
+    return data
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def assert_rows_positive(data: dict[str, Any]) -> None:
+    for r in data["rows"]:
+        assert positive(r["value"]) and positive(r["reference_value"]) and positive(r["ratio"]), r
+
+
+@pytest.mark.timeout(120)
+def test_inner_smoke(tmp_path):
+    run_smoke("inner.py", ["--out", str(tmp_path / "inner.json")], timeout=90)
+    data = load(tmp_path / "inner.json", "inner")
+    assert_rows_positive(data)
+    assert [len(c["pairs"]) for c in data["cases"]] == [2]
+
+
+@pytest.mark.timeout(150)
+def test_comm_quality_smoke(tmp_path):
+    run_smoke("comm_quality.py", ["--out", str(tmp_path / "comm_quality.json")], timeout=120)
+    data = load(tmp_path / "comm_quality.json", "comm_quality")
+    for r in data["rows"]:  # the first target may be out of reach in 4 steps; the common one never is
+        assert r["value"] is None or (isinstance(r["value"], int) and r["value"] >= 0), r
+    common = [r for r in data["rows"] if r["group"] == "common"]
+    assert len(common) == 1 and positive(common[0]["value"]) and positive(common[0]["ratio"]), common
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_allreduce_smoke(tmp_path):
+    run_smoke("allreduce.py", ["--out", str(tmp_path / "allreduce.json")], timeout=150)
+    data = load(tmp_path / "allreduce.json", "allreduce")
+    assert_rows_positive(data)
+    assert not data["problems"], data["problems"]
+    (s,) = data["summaries"]
+    assert s["peers"] == 2 and s["complete_rounds"] == s["peer_rounds"] == 2, s
+    assert s["max_abs_diff_vs_gloo"] is not None and s["max_abs_diff_vs_gloo"] < 1e-5, s
+    # the phases come from ReduceInfo: all present, none negative, together within the call's wall time
+    phases = [s[k] for k in ("check_seconds", "copy_seconds", "matchmaking_seconds", "allreduce_seconds")]
+    assert all(math.isfinite(v) and v >= 0 for v in phases), s
+    assert positive(s["check_seconds"]) and positive(s["allreduce_seconds"]), s
+    assert sum(phases) <= s["round_seconds"] * 1.01 + 0.01, s
+    assert 0.9 < s["payload_bytes"] / s["bytes_lower_bound"] < 1.5, s  # the byte counter saw the parts
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_utilisation_smoke(tmp_path):
+    run_smoke("utilisation.py", ["--out", str(tmp_path / "utilisation.json")], timeout=150)
+    data = load(tmp_path / "utilisation.json", "utilisation")
+    (case,) = data["cases"]
+    assert case["problem"] == "", case["problem"]
+    (r,) = data["rows"]
+    assert positive(r["value"]) and r["value"] <= 1.0, r
+    assert all(p is not None and p["complete"] == [True, True] for p in case["per_peer"]), case["per_peer"]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(210)
+def test_memory_smoke(tmp_path):
+    run_smoke("memory.py", ["--out", str(tmp_path / "memory.json")], timeout=180)
+    data = load(tmp_path / "memory.json", "memory")
+    assert data["problem"] == "" and data["rounds_done"] == 2, (data["problem"], data["rounds_done"])
+    assert len(data["rows"]) == 4 and all(positive(r["value"]) and positive(r["ratio"]) for r in data["rows"])
+    assert {"host (run_peer)", "p2pd", "averager process"} <= set(data["roles"]), data["roles"]
+
+
+@pytest.mark.timeout(150)
+def test_run_all_smoke_writes_into_its_results_dir(tmp_path):
+    out = tmp_path / "results"
+    proc = run_smoke("run_all.py", ["--only", "inner", "--results", str(out)], timeout=120)
+    assert sorted(p.name for p in out.iterdir()) == ["BENCHMARKS.md", "inner.json", "run_all.json"], proc.describe()
+    summary = load_run_all(out / "run_all.json")
+    assert summary["items"]["inner"]["rc"] == 0 and summary["failed"] == [], summary
+    assert_rows_positive(load(out / "inner.json", "inner"))
+    text = (out / "BENCHMARKS.md").read_text()
+    assert "**Smoke run**" in text and "| 1. Inner-loop efficiency |" in text
+
+
+def load_run_all(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    assert data["item"] == "run_all" and data["smoke"] is True, data
+    return data
