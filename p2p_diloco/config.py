@@ -94,7 +94,7 @@ class OuterConfig:
 
 @dataclass
 class TrainConfig:
-    outer_steps: int = 40  # rounds to run
+    rounds: int = 40  # rounds to run (each: inner.steps inner steps, one all-reduce, one outer step)
     eval_every: int = 1  # rounds between eval-loss measurements; 0 disables
     checkpoint_every: int = 10  # rounds between checkpoints; 0 disables
 
@@ -140,6 +140,8 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+_RENAMED = {"train.outer_steps": "train.rounds"}  # old name -> new name, for a message that says so
 
 _CHOICES = {
     "model.autocast": ("auto", "bf16", "none"),
@@ -196,7 +198,7 @@ def _check_ranges(cfg: Config) -> None:
     need(o.lr > 0, "outer.lr", o.lr, "> 0")
     need(0 <= o.momentum < 1, "outer.momentum", o.momentum, "in [0, 1)")
     need(o.lr_warmup_rounds >= 0, "outer.lr_warmup_rounds", o.lr_warmup_rounds, ">= 0")
-    need(t.outer_steps >= 1, "train.outer_steps", t.outer_steps, ">= 1")
+    need(t.rounds >= 1, "train.rounds", t.rounds, ">= 1")
     need(t.eval_every >= 0, "train.eval_every", t.eval_every, ">= 0")
     need(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, ">= 0")
     need(
@@ -285,6 +287,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
+    for key in unknown:
+        if f"{prefix}{key}" in _RENAMED:
+            raise ConfigError(f"{prefix}{key} is now called {_RENAMED[prefix + key]} (same meaning): rename it")
     if unknown:
         raise ConfigError(
             f"unknown key {prefix}{unknown[0]}: allowed keys in {prefix.rstrip('.') or 'the top level'} are "

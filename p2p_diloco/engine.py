@@ -185,7 +185,7 @@ class Worker:
         self.model = build_model(cfg.model, vocab_size, cfg.seed)
         self.batches_taken = 0
         self.batches = self._counted(batches)
-        total_steps = cfg.train.outer_steps * cfg.inner.steps
+        total_steps = cfg.train.rounds * cfg.inner.steps
         self.inner = InnerOptimizer(self.model, cfg.inner, total_steps)
         self.state = OuterState.from_params(self.model.parameters())
 
@@ -338,7 +338,7 @@ class Worker:
 
     def maybe_evaluate(self, eval_sets: dict[str, torch.Tensor] | None) -> dict[str, float] | None:
         every = self.cfg.train.eval_every
-        last = self.state.round >= self.cfg.train.outer_steps
+        last = self.state.round >= self.cfg.train.rounds
         if eval_sets is None or every == 0 or (self.state.round % every and not last):
             return None
         losses = evaluate(self.model, eval_sets, self.cfg.data.batch_size, self.cfg)

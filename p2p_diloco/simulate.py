@@ -89,7 +89,7 @@ class _Local:
 
 
 def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
-    """Run ``cfg.train.outer_steps`` rounds of ``mode`` with ``workers`` workers; write OUT files."""
+    """Run ``cfg.train.rounds`` rounds of ``mode`` with ``workers`` workers; write OUT files."""
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r} is invalid: must be one of {', '.join(MODES)}")
     if workers < 1:
@@ -122,11 +122,11 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
         mode,
         workers,
         num_params,
-        cfg.train.outer_steps,
+        cfg.train.rounds,
         initial["all"],
     )
     try:
-        for r in range(1, cfg.train.outer_steps + 1):
+        for r in range(1, cfg.train.rounds + 1):
             if mode in ("diloco", "fedavg"):
                 result = _diloco_round(pool, rules, eval_sets)
             else:
@@ -144,7 +144,7 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
             log.info(
                 "round %d/%d  train %.4f  eval %s  %.0f tok/s  %.1fs elapsed",
                 r,
-                cfg.train.outer_steps,
+                cfg.train.rounds,
                 inner.mean_loss,
                 f"{evals['all']:.4f}" if evals else "-",
                 inner.tokens_per_second,
@@ -158,7 +158,7 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
         "mode": mode,
         "workers": workers,
         "num_params": num_params,
-        "rounds": cfg.train.outer_steps,
+        "rounds": cfg.train.rounds,
         "inner_steps": cfg.inner.steps,
         "initial_eval_loss": initial["all"],
         "final_eval_loss": final["all"],

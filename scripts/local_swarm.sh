@@ -3,7 +3,7 @@
 #
 # Usage (from a fresh clone, after `pip install -e .`):
 #   scripts/local_swarm.sh                       # 3 peers, configs/tiny.yaml, monitor page on http://127.0.0.1:8080/
-#   scripts/local_swarm.sh --peers 4 --port 8081 -- --set train.outer_steps=20
+#   scripts/local_swarm.sh --peers 4 --port 8081 -- --set train.rounds=20
 #
 # Options:
 #   --peers N        training peers (default 3); peer K trains shard K (data.shard_index=K)
@@ -16,7 +16,7 @@
 #
 # Writes: DIR/bootstrap.log, DIR/peerK/{stdout.log,metrics.jsonl,run_metadata.json,checkpoints/},
 #         DIR/monitor/{monitor.jsonl,stderr.log}, and at the end DIR/monitor/plots/*.png.
-# The monitor's table is shown here. When every peer has finished (train.outer_steps), or on Ctrl-C, the
+# The monitor's table is shown here. When every peer has finished (train.rounds), or on Ctrl-C, the
 # script stops what it started (SIGTERM to each PID it started, SIGKILL to what is left after 30 s).
 # Environment: PYTHON (default: python, else python3).
 set -euo pipefail

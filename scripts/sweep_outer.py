@@ -56,7 +56,7 @@ def main() -> None:
         base = [
             *args.overrides,
             f"inner.steps={h}",
-            f"train.outer_steps={args.total_steps // h}",
+            f"train.rounds={args.total_steps // h}",
             f"train.eval_every={max(1, args.total_steps // h // 4)}",
         ]
         modes = [("fedavg", "fedavg", [])]

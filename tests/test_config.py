@@ -41,7 +41,7 @@ def test_overrides_apply_in_order_and_parse_yaml_values():
         ("outer.lr=0", "outer.lr", "> 0"),
         ("outer.momentum=1.0", "outer.momentum", "[0, 1)"),
         ("outer.momentum=-0.1", "outer.momentum", "[0, 1)"),
-        ("train.outer_steps=0", "train.outer_steps", ">= 1"),
+        ("train.rounds=0", "train.rounds", ">= 1"),
         ("inner.schedule=linear", "inner.schedule", "cosine"),
         ("data.partition=random", "data.partition", "dirichlet"),
         ("data.dirichlet_alpha=0", "data.dirichlet_alpha", "> 0"),
@@ -84,3 +84,13 @@ def test_run_metadata_has_config_seed_versions_and_commit(tmp_path):
     assert meta["config"]["inner"]["steps"] == cfg.inner.steps
     assert meta["versions"]["torch"] and meta["versions"]["hivemind"] == "1.1.12"
     assert "git_commit" in meta and meta["mode"] == "diloco"
+
+
+def test_renamed_key_says_its_new_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.outer_steps is now called train\.rounds"):
+        load_config(CONFIGS / "tiny.yaml", ["train.outer_steps=5"])
+    old = tmp_path / "old.yaml"
+    old.write_text("train:\n  outer_steps: 5\n")
+    with pytest.raises(ConfigError, match="train.rounds"):
+        load_config(old)
+    assert load_config(CONFIGS / "tiny.yaml", ["train.rounds=5"]).train.rounds == 5

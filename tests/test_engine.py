@@ -29,7 +29,7 @@ def _batches(seed, vocab=257, shape=(4, 32)):
 def test_one_worker_lr1_no_momentum_equals_plain_adamw():
     """Invariant 1: R rounds of H steps with outer SGD lr 1, momentum 0 = R*H steps of plain AdamW."""
     cfg = load_config(
-        TINY, ["inner.steps=4", "train.outer_steps=3", "outer.lr=1", "outer.momentum=0", "outer.lr_warmup_rounds=0"]
+        TINY, ["inner.steps=4", "train.rounds=3", "outer.lr=1", "outer.momentum=0", "outer.lr_warmup_rounds=0"]
     )
     worker = Worker(cfg, 257, _batches(0))
     for _ in range(3):
@@ -54,7 +54,7 @@ def test_one_worker_lr1_no_momentum_equals_plain_adamw():
 
 
 def test_inner_adamw_state_survives_rounds():
-    cfg = load_config(TINY, ["inner.steps=3", "train.outer_steps=2"])
+    cfg = load_config(TINY, ["inner.steps=3", "train.rounds=2"])
     worker = Worker(cfg, 257, _batches(1))
     worker.run_round(_SelfReducer(), RoundRules())
     first = next(iter(worker.inner.optimizer.state.values()))
@@ -83,7 +83,7 @@ def _local_round(worker):
 
 def test_resume_from_a_checkpoint_continues_exactly_where_training_stopped(tmp_path):
     """A checkpoint carries the inner AdamW moments and the place in the shard: resuming is bitwise lossless."""
-    cfg = load_config(TINY, ["inner.steps=3", "train.outer_steps=4", *FAST])
+    cfg = load_config(TINY, ["inner.steps=3", "train.rounds=4", *FAST])
     straight = Worker(cfg, 257, _batches(2))
     for _ in range(2):
         _local_round(straight)
@@ -124,7 +124,7 @@ def test_h1_inner_sgd_equals_synchronous_data_parallel(tmp_path):
         "inner.grad_clip=0",
         "inner.warmup_steps=0",
         "inner.schedule=constant",
-        "train.outer_steps=6",
+        "train.rounds=6",
         *FAST,
     ]
     cfg = load_config(TINY, sets)
@@ -144,7 +144,7 @@ def test_h1_inner_sgd_equals_synchronous_data_parallel(tmp_path):
 
 
 def test_diloco_lr1_momentum0_reproduces_fedavg_exactly(tmp_path):
-    sets = ["inner.steps=5", "train.outer_steps=3", *FAST]
+    sets = ["inner.steps=5", "train.rounds=3", *FAST]
     simulate(
         load_config(TINY, [*sets, "outer.lr=1", "outer.momentum=0", "outer.lr_warmup_rounds=0"]),
         "diloco",
@@ -174,7 +174,7 @@ def test_every_mode_learns_on_tiny(tmp_path, mode):
             "--set",
             "inner.steps=10",
             "--set",
-            "train.outer_steps=6",
+            "train.rounds=6",
             "--set",
             "train.eval_every=3",
             "--set",

@@ -131,7 +131,7 @@ def test_the_model_architecture_is_part_of_it() -> None:
         ["model.max_seq_len=256"],
         ["data.batch_size=4", "data.eval_batches=1"],
         ["inner.lr=0.01", "inner.warmup_steps=0", "inner.grad_accum=2"],
-        ["train.outer_steps=3", "train.eval_every=0", "train.checkpoint_every=0"],
+        ["train.rounds=3", "train.eval_every=0", "train.checkpoint_every=0"],
     ],
 )
 def test_the_digest_ignores_what_each_peer_may_choose_alone(overrides: list[str]) -> None:
@@ -278,7 +278,7 @@ def test_a_recursive_value_from_the_network_does_not_raise() -> None:
 def test_a_newcomer_with_other_data_settings_is_refused_naming_the_field(spawn, tmp_path: Path) -> None:
     from test_swarm import start_peer  # pytest puts tests/ on sys.path; imported here to keep unit tests light
 
-    first = start_peer(spawn, [], tmp_path / "first", "train.outer_steps=200")
+    first = start_peer(spawn, [], tmp_path / "first", "train.rounds=200")
     line = first.wait_for_line(r"reachable as: --initial-peers ", timeout=90).string
     initial = line.split("--initial-peers ")[1].split()
     first.wait_for_line(r"^joined at round", timeout=90)  # its fingerprint is announced by then

@@ -95,7 +95,7 @@ def finish(procs, timeout: float) -> None:
 def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
     boot, initial = start_bootstrap(spawn)
     rounds = [
-        "train.outer_steps=3",
+        "train.rounds=3",
         "data.num_shards=3",
         "swarm.target_group_size=3",
         "swarm.min_group_size=3",
@@ -142,11 +142,11 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path):
-    first = start_peer(spawn, [], tmp_path / "a", "train.outer_steps=6", "swarm.target_group_size=3")
+    first = start_peer(spawn, [], tmp_path / "a", "train.rounds=6", "swarm.target_group_size=3")
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
-    second = start_peer(spawn, initial.split(), tmp_path / "b", "train.outer_steps=6", "swarm.target_group_size=3")
+    second = start_peer(spawn, initial.split(), tmp_path / "b", "train.rounds=6", "swarm.target_group_size=3")
     second.wait_for_line(r"^round [2-6]/6 ", timeout=120)
-    late = start_peer(spawn, initial.split(), tmp_path / "c", "train.outer_steps=6", "swarm.target_group_size=3")
+    late = start_peer(spawn, initial.split(), tmp_path / "c", "train.rounds=6", "swarm.target_group_size=3")
     match = late.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=90)
     step, checksum = int(match.group(1)), match.group(2)
     assert step >= 2
@@ -162,7 +162,7 @@ def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path
 @pytest.mark.timeout(240)
 def test_sigkill_during_allreduce_survivors_finish_in_agreement(spawn, tmp_path):
     boot, initial = start_bootstrap(spawn)
-    sets = ["train.outer_steps=4", "swarm.target_group_size=3", "swarm.part_size_bytes=65536", "swarm.start_peers=3"]
+    sets = ["train.rounds=4", "swarm.target_group_size=3", "swarm.part_size_bytes=65536", "swarm.start_peers=3"]
     dirs = [tmp_path / f"peer{k}" for k in range(3)]
     peers = [start_peer(spawn, initial, d, *sets, f"data.shard_index={k}") for k, d in enumerate(dirs[:2])]
     # ~41 parts of 64 KiB per peer per round; dying after 50 sends is inside the second round's all-reduce
@@ -208,7 +208,7 @@ def test_peers_carry_on_when_the_bootstrap_node_dies(spawn, tmp_path):
     boot, initial = start_bootstrap(spawn)
     dirs = [tmp_path / "a", tmp_path / "b"]
     peers = [
-        start_peer(spawn, initial, d, "train.outer_steps=4", "swarm.target_group_size=2", "swarm.start_peers=2")
+        start_peer(spawn, initial, d, "train.rounds=4", "swarm.target_group_size=2", "swarm.start_peers=2")
         for d in dirs
     ]
     peers[0].wait_for_line(r"^round 1/4 ", timeout=120)
@@ -221,7 +221,7 @@ def test_peers_carry_on_when_the_bootstrap_node_dies(spawn, tmp_path):
 
 @pytest.mark.timeout(180)
 def test_peer_with_a_different_model_width_is_refused_with_the_reason(spawn, tmp_path):
-    first = start_peer(spawn, [], tmp_path / "a", "train.outer_steps=50")
+    first = start_peer(spawn, [], tmp_path / "a", "train.rounds=50")
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
     other = start_peer(spawn, initial.split(), tmp_path / "b", "model.hidden_size=64")
     rc = other.wait(timeout=90)
@@ -269,7 +269,7 @@ def test_bad_initial_peers_fail_fast_with_a_message(spawn, tmp_path, initial, co
 
 @pytest.mark.timeout(180)
 def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tmp_path):
-    solo = ["train.outer_steps=5", "swarm.matchmaking_time=1", "swarm.request_timeout=0.5", "swarm.linger_seconds=0"]
+    solo = ["train.rounds=5", "swarm.matchmaking_time=1", "swarm.request_timeout=0.5", "swarm.linger_seconds=0"]
     peer = start_peer(spawn, [], tmp_path / "p", *solo)
     peer.wait_for_line(r"^round 2/5 ", timeout=120)
     os.killpg(peer.pgid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
@@ -293,7 +293,7 @@ def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tm
 
 @pytest.mark.timeout(240)
 def test_resumed_peer_that_fell_behind_takes_the_swarm_state_before_its_first_step(spawn, tmp_path):
-    sets = ["train.outer_steps=10", "train.checkpoint_every=1", "swarm.matchmaking_time=3", "swarm.request_timeout=1"]
+    sets = ["train.rounds=10", "train.checkpoint_every=1", "swarm.matchmaking_time=3", "swarm.request_timeout=1"]
     sets += ["swarm.linger_seconds=60"]
     first = start_peer(spawn, [], tmp_path / "a", *sets)
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]

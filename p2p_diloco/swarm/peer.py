@@ -48,7 +48,7 @@ class StopRequested(Exception):
 
 
 class TrainingPeer:
-    """One training peer: ``run()`` joins, trains until ``train.outer_steps`` or a stop request, and cleans up."""
+    """One training peer: ``run()`` joins, trains until ``train.rounds`` or a stop request, and cleans up."""
 
     def __init__(self, cfg: Config, opts: PeerOptions) -> None:
         self.cfg, self.opts = cfg, opts
@@ -135,10 +135,10 @@ class TrainingPeer:
             close()
 
     def run(self) -> int:
-        """Train until train.outer_steps or a stop request; always leaves no process behind. Exit code 0."""
+        """Train until train.rounds or a stop request; always leaves no process behind. Exit code 0."""
         try:
             self.start()
-            while self.worker.state.round < self.cfg.train.outer_steps and not self.opts.stop.is_set():
+            while self.worker.state.round < self.cfg.train.rounds and not self.opts.stop.is_set():
                 started = time.perf_counter()
                 result = self.run_round()
                 if result is None:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.config,
                     mode,
                     args.workers,
-                    [*common, f"inner.steps={h}", f"train.outer_steps={args.total_steps // h}"],
+                    [*common, f"inner.steps={h}", f"train.rounds={args.total_steps // h}"],
                     tmp,
                 )
                 for name, mode, h in plan

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [
         *sets,
         f"inner.steps={args.h}",
-        f"train.outer_steps={args.rounds}",
+        f"train.rounds={args.rounds}",
         "train.eval_every=0",
         "train.checkpoint_every=0",
         "logging.progress_bar=false",

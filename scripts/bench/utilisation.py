@@ -57,7 +57,7 @@ SMOKE: dict[str, Any] = {
 def swarm_overrides(h: int, rounds: int, peers: int) -> list[str]:
     return [
         f"inner.steps={h}",
-        f"train.outer_steps={rounds}",
+        f"train.rounds={rounds}",
         "train.eval_every=0",
         "train.checkpoint_every=0",
         "logging.progress_bar=false",
