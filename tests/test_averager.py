@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -90,6 +91,25 @@ def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], atol:
         assert torch.allclose(a, e, atol=atol, rtol=0), float((a - e).abs().max())
 
 
+def assert_payload_near_butterfly_bound(infos: list[dict], slack: float = 0.03) -> None:
+    """Measured payload bytes vs the fp32 butterfly: a member reducing m of S values in a group of n sends
+    S - m values to the other reducers and its averaged m values to the n - 1 others, and receives as much.
+
+    SHAPES fit in one 64 KiB part each; hivemind hands a whole part to the member whose equal share it overlaps
+    most, so the slices are the three tensors (2000, 3000, 1001 values), in an order of members we don't know.
+    Protobuf adds a few dozen bytes per message (``slack``).
+    """
+    n, total = len(infos), sum(math.prod(shape) for shape in SHAPES)
+    bounds = sorted(4 * ((total - m) + (n - 1) * m) for m in (2000, 3000, 1001))
+    for key in ("bytes_sent", "bytes_received"):
+        measured = sorted(info[key] for info in infos)
+        ratios = [got / bound for got, bound in zip(measured, bounds, strict=True)]
+        print(f"{key} / fp32 bound per member: {[round(r, 4) for r in ratios]}")
+        assert all(1.0 <= r < 1.0 + slack for r in ratios), (key, measured, bounds)
+        assert 1.0 <= sum(measured) / (2 * (n - 1) * total * 4) < 1.0 + slack, (key, measured)
+    assert sum(info["bytes_sent"] for info in infos) == sum(info["bytes_received"] for info in infos), infos
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
 def test_three_peers_get_the_weighted_mean(spawn):
@@ -108,6 +128,7 @@ def test_three_peers_get_the_weighted_mean(spawn):
     first = peers[0].result()
     for peer in peers[1:]:
         assert all(torch.equal(a, b) for a, b in zip(first, peer.result(), strict=True))
+    assert_payload_near_butterfly_bound([res["info"] for res in results])
     for peer in peers:
         peer.send("EXIT")
     assert all(peer.expect("BYE", 20)["averager_alive"] is False for peer in peers)

@@ -31,9 +31,13 @@ a sender whose stream broke while the reducer was answering it: the round hung u
 Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
 process (the group is assembled; a group smaller than ``target_group_size`` forms only at the leader's
 ``matchmaking_time`` deadline); ``allreduce_seconds`` from there to the end of the vote. Both are summed over
-attempts. ``bytes_sent`` = ``bytes_received`` are payload ESTIMATES (fp32, no framing): a member reducing
-``m`` of ``S`` values in a group of ``n`` sends ``S - m`` values to the other reducers and its averaged slice
-to ``n - 1`` members, ``(S - m) + (n - 1) m`` (about ``2 (n - 1) / n`` of the vector), and receives as much.
+attempts. ``bytes_sent`` / ``bytes_received`` are MEASURED payload bytes, also summed over attempts: the
+protobuf size (``ByteSize()``) of every all-reduce message this member handed to the transport / took from it,
+before libp2p framing and encryption (``_ExactRunner`` counts them at the ``rpc_aggregate_part`` boundary, both
+as caller and as handler; its own slice is averaged locally and counts nothing; the vote's few bytes are not
+counted). A member reducing ``m`` of ``S`` fp32 values in a group of ``n`` sends ``S - m`` values to the other
+reducers and its averaged slice to ``n - 1`` members, ``4 ((S - m) + (n - 1) m)`` bytes (about
+``2 (n - 1) / n`` of the vector), and receives as much; the messages add a few dozen bytes each to that.
 
 State sharing: ``get_current_state`` serves the provider's output without the averager's tensor lock. The stock
 one takes it, and an all-reduce holds it all round: measured (200 MB, next_chunk_timeout 2 s), a download from
@@ -48,8 +52,8 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -83,12 +87,51 @@ class _NoGroupIsNotAnError(logging.Filter):
 logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNotAnError())
 
 
+async def _counted(messages: AsyncIterable[Any], counts: Counter[str], key: str) -> AsyncIterator[Any]:
+    """``messages`` passed through; ``counts[key]`` grows by each one's protobuf size as it passes."""
+    async for message in messages:
+        counts[key] += message.ByteSize()
+        yield message
+
+
+class _CountingStub:
+    """A groupmate's stub whose ``rpc_aggregate_part`` counts the payload bytes both ways into ``counts``."""
+
+    def __init__(self, stub: Any, counts: Counter[str]):
+        self._stub, self._counts = stub, counts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+    async def rpc_aggregate_part(self, inputs: AsyncIterable[Any], **kwargs: Any) -> AsyncIterator[Any]:
+        replies = await self._stub.rpc_aggregate_part(_counted(inputs, self._counts, "sent"), **kwargs)
+        return _counted(replies, self._counts, "received")
+
+
 class _ExactRunner(AllReduceRunner):
-    """AllReduceRunner whose results are the averaged parts themselves (bitwise equal on every member)."""
+    """AllReduceRunner whose results are the averaged parts themselves (bitwise equal on every member).
+
+    ``payload_bytes["sent"]`` / ``["received"]``: protobuf bytes of the all-reduce messages this member handed to
+    the transport / took from it (module docstring, Timing), as sender (``_get_peer_stub``) and as reducer
+    (``rpc_aggregate_part``).
+    """
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
+        self.payload_bytes: Counter[str] = Counter(sent=0, received=0)
+
+    def _get_peer_stub(self, peer: Any) -> Any:
+        """Our parts to that reducer and its averaged parts back: counted as they pass (allreduce.py:216)."""
+        return _CountingStub(super()._get_peer_stub(peer), self.payload_bytes)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: P2PContext) -> AsyncIterator[Any]:
+        """A sender's parts to our reducer and our replies to it (averaged parts or a refusal), counted."""
+        requests = _counted(stream, self.payload_bytes, "received")
+        async with contextlib.aclosing(super().rpc_aggregate_part(requests, context)) as replies:
+            async for reply in replies:
+                self.payload_bytes["sent"] += reply.ByteSize()
+                yield reply
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:
@@ -307,7 +350,8 @@ class PseudoGradAverager(DecentralizedAverager):
             return None, f"all-reduce failed ({type(e).__name__}: {e})", True
         info.matchmaking_seconds += out["t_group"] - t0
         info.allreduce_seconds += time.monotonic() - out["t_group"]
-        info.bytes_sent, info.bytes_received = info.bytes_sent + out["bytes"], info.bytes_received + out["bytes"]
+        info.bytes_sent += out["bytes_sent"]
+        info.bytes_received += out["bytes_received"]
         if not out["complete"]:
             return None, f"incomplete all-reduce in a group of {out['group_size']}: {out['reason']}", True
         t0 = time.monotonic()
@@ -332,7 +376,7 @@ class PseudoGradAverager(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         """Run the stock butterfly, judge this member's view of it, then agree with the group (rpc_vote)."""
-        t_group, gathered, reason, verdict, sizes = time.monotonic(), Gathered(), "", False, None
+        t_group, gathered, reason, verdict, runner = time.monotonic(), Gathered(), "", False, None
         vote = self._vote_state(group_info.group_id)["mine"]
         modes = [AveragingMode.NODE] * group_info.group_size
         try:
@@ -375,15 +419,16 @@ class PseudoGradAverager(DecentralizedAverager):
             if not vote.done():
                 vote.set_result(verdict)
         against = await self._collect_votes(group_info, modes, verdict, t_group + self.allreduce_timeout - 1.0)
-        mine = sizes[group_info.peer_ids.index(self.peer_id)] if sizes is not None else 0
-        n = group_info.group_size
+        # read after the vote: a member confirms only once it got all our averaged parts, so they are counted
+        payload = runner.payload_bytes if runner is not None else Counter(sent=0, received=0)
         return dict(
             complete=verdict and not against,
             gathered=gathered,
-            group_size=n,
+            group_size=group_info.group_size,
             t_group=t_group,
             reason=reason or "members without a complete result: " + ", ".join(against),
-            bytes=4 * ((self.total_size - mine) + (n - 1) * mine),
+            bytes_sent=payload["sent"],
+            bytes_received=payload["received"],
         )
 
     def _decode(self, user_bytes: Any) -> Any:

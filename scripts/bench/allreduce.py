@@ -18,12 +18,13 @@ A and B alternate (A/B/A/B...), so both see the same machine load. The first rep
 warm-up and is not counted.
 
 Bytes per peer, three ways (all recorded; the table shows the first):
-  payload  protobuf bytes this peer's averager handed to p2pd for sending (tensor parts to reducers and
-           averaged parts back; counted by wrapping hivemind's AllReduceRunner generators in the averager
-           process; no libp2p framing/encryption);
+  payload  ReduceInfo.bytes_sent: the protobuf bytes this peer's averager handed to p2pd (tensor parts to
+           reducers and averaged parts back, measured by the averager itself; no libp2p framing/encryption;
+           ReduceInfo.bytes_received is recorded too);
   tcp      bytes_sent of the TCP sockets of this peer's p2pd (kernel tcp_info via ``ss``): what went on the
            wire, libp2p framing, encryption and DHT chatter included;
-  estimate hivemind's/ReduceInfo's own estimate (fp32 values, no framing).
+  estimate the fp32 formula 2(n-1)/n x 4 bytes x size for the group that formed (``fp32_bytes_sent``: equal
+           slices, no framing, one attempt), computed here.
 The reference is the butterfly's lower bound 2(n-1)/n x 4 bytes x size; gloo's own TCP bytes are recorded too.
 Output: scripts/bench/results/allreduce.json (``--out`` to write elsewhere; ``--smoke`` without ``--out``: a
 temporary directory). Failure: a group that stalls past ``--timeout`` or a worker that dies is killed (its process
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -71,33 +71,6 @@ SMOKE: dict[str, Any] = {"sizes": [20_000], "peers": [2], "reps": 1, "warmup": 1
 # ------------------------------------------------------------------------------------------------ worker
 
 
-def _install_byte_counter() -> Any:
-    """Count the protobuf bytes each averager process sends; returns the shared counter (fork-inherited)."""
-    from hivemind.averaging.allreduce import AllReduceRunner
-
-    from p2p_diloco.swarm.averager import _ExactRunner
-
-    counter = mp.Value("q", 0, lock=True)
-    sender = AllReduceRunner._generate_input_for_peer
-    reducer = _ExactRunner._accumulate_parts_streaming
-
-    async def counted_sender(self: Any, peer_index: int) -> Any:
-        async for msg in sender(self, peer_index):
-            with counter.get_lock():
-                counter.value += msg.ByteSize()
-            yield msg
-
-    async def counted_reducer(self: Any, stream: Any, sender_index: int) -> Any:
-        async for msg in reducer(self, stream, sender_index):
-            with counter.get_lock():
-                counter.value += msg.ByteSize()
-            yield msg
-
-    AllReduceRunner._generate_input_for_peer = counted_sender
-    _ExactRunner._accumulate_parts_streaming = counted_reducer
-    return counter
-
-
 def _emit(tag: str, payload: dict[str, Any]) -> None:
     print(f"{tag} {json.dumps(payload)}", flush=True)
 
@@ -109,9 +82,9 @@ def worker(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    counter = _install_byte_counter()  # before any averager process forks
     from hivemind.dht import DHT
 
+    from p2p_diloco.engine import fp32_bytes_sent
     from p2p_diloco.swarm.averager import PseudoGradAverager
     from p2p_diloco.swarm.dht import wait_for_peers
 
@@ -145,14 +118,14 @@ def worker(cfg: dict[str, Any]) -> None:
         averager = averagers[size]
         for rep in range(cfg["warmup"] + cfg["reps"]):
             # A: the hivemind round
-            tcp0, bytes0 = _tcp_sent(p2pd), counter.value
+            tcp0 = _tcp_sent(p2pd)
             dist.barrier()
             t0 = time.perf_counter()
             averaged, info = averager.reduce([grads[size]], 1.0)
             hm_wall = time.perf_counter() - t0
-            dist.barrier()  # every peer's sends are done before the counters are read
+            dist.barrier()  # every peer's sends are done before the TCP counters are read
             time.sleep(0.2)
-            tcp1, bytes1 = _tcp_sent(p2pd), counter.value
+            tcp1 = _tcp_sent(p2pd)
             # B: gloo all_reduce of the same tensor
             buf = grads[size].clone()
             g0 = _tcp_sent([os.getpid()])
@@ -179,8 +152,9 @@ def worker(cfg: dict[str, Any]) -> None:
                     "complete": info.complete,
                     "group_size": info.group_size,
                     "reason": info.reason,
-                    "estimate_bytes": info.bytes_sent,
-                    "payload_bytes": bytes1 - bytes0,
+                    "estimate_bytes": fp32_bytes_sent(size, info.group_size),
+                    "payload_bytes": info.bytes_sent,
+                    "payload_bytes_received": info.bytes_received,
                     "tcp_bytes": tcp1 - tcp0,
                     "gloo_wall": gloo_wall,
                     "gloo_tcp_bytes": g1 - g0,
@@ -307,6 +281,7 @@ def summarise(world: int, size: int, recs: list[dict[str, Any]]) -> dict[str, An
         # per-peer bytes depend on the slice each peer reduces (load balancing): the mean over peers is the figure
         "payload_bytes": mean(r["payload_bytes"] for r in every),
         "payload_bytes_max": max(r["payload_bytes"] for r in every),
+        "payload_bytes_received": mean(r["payload_bytes_received"] for r in every),
         "tcp_bytes": mean(r["tcp_bytes"] for r in every),
         "estimate_bytes": mean(r["estimate_bytes"] for r in every),
         "gloo_tcp_bytes": mean(r["gloo_tcp_bytes"] for r in every),
@@ -408,9 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         "reduce() call's wall time."
     )
     rec.notes.append(
-        "Bytes: 'payload' = protobuf bytes each averager handed to p2pd (counted in the averager process); "
-        "'p2pd TCP' = bytes_sent of that peer's p2pd TCP sockets from the kernel (ss), libp2p framing, "
-        "encryption and DHT traffic included; hivemind's estimate is in results/allreduce.json."
+        "Bytes: 'payload' = ReduceInfo.bytes_sent, the protobuf bytes each averager handed to p2pd (measured by "
+        "the averager); 'p2pd TCP' = bytes_sent of that peer's p2pd TCP sockets from the kernel (ss), libp2p "
+        "framing, encryption and DHT traffic included; the fp32 formula's estimate is in results/allreduce.json."
     )
     path = rec.write(args.out)
     print(f"wrote {path}")
