@@ -73,11 +73,12 @@ class Proc:
             t.start()
 
     def _pump(self, stream: IO[str], sink: list[str], to_queue: bool) -> None:
-        for line in stream:
-            line = line.rstrip("\n")
-            sink.append(line)
-            if to_queue:
-                self._queue.put(line)
+        with stream:  # closed here at EOF: closing it elsewhere would block until this read returns
+            for line in stream:
+                line = line.rstrip("\n")
+                sink.append(line)
+                if to_queue:
+                    self._queue.put(line)
         if to_queue:
             self._queue.put(None)
 
@@ -145,7 +146,13 @@ class Proc:
         self.kill_group()
 
     def kill_group(self) -> None:
-        """SIGKILL every process of the child's group, reap the leader and close the pipes."""
+        """SIGKILL every process of the child's group, reap the leader and close its stdin.
+
+        stdout and stderr close when their reader threads see EOF, once every process holding them is gone. Not
+        every such process dies with the group: torch's ``torch_shm_manager`` runs in a session of its own and
+        exits by itself about 2 s after its last client (measured); closing the pipes here waited for it, 2 s
+        per process killed.
+        """
         try:
             os.killpg(self.pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -154,12 +161,11 @@ class Proc:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
 
 
 def _stat(pid: int) -> tuple[str, str, int, int] | None:
