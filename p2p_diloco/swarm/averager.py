@@ -23,21 +23,18 @@ invisible to other members). The verdicts are exchanged all-to-all by the unary 
 is complete only if every member's verdict is True; a member that is dead or silent until
 ``allreduce_timeout`` counts as False. Residual risk: a member dying inside the vote (about 10 ms) after
 answering some peers only; the per-round checksum comparison of outer states is the backstop.
-``_ExactRunner`` changes two stock behaviours: reducers send the averaged part instead of
-``averaged - part`` (allreduce.py:210, :354; members added it to their own part and ended up to 1 ulp apart),
-and a sender that stalls the reducer's current part longer than ``next_chunk_timeout`` is banned (stock missed
-a sender whose stream broke while the reducer was answering it: the round hung until ``allreduce_timeout``).
+``ExactRunner`` (butterfly.py) is the all-reduce of one attempt: averaged parts bitwise equal on every member,
+stalled senders banned, payload bytes counted.
 
 Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
 process (the group is assembled; a group smaller than ``target_group_size`` forms only at the leader's
 ``matchmaking_time`` deadline); ``allreduce_seconds`` from there to the end of the vote. Both are summed over
 attempts. ``bytes_sent`` / ``bytes_received`` are MEASURED payload bytes, also summed over attempts: the
-protobuf size (``ByteSize()``) of every all-reduce message this member handed to the transport / took from it,
-before libp2p framing and encryption (``_ExactRunner`` counts them at the ``rpc_aggregate_part`` boundary, both
-as caller and as handler; its own slice is averaged locally and counts nothing; the vote's few bytes are not
-counted). A member reducing ``m`` of ``S`` fp32 values in a group of ``n`` sends ``S - m`` values to the other
-reducers and its averaged slice to ``n - 1`` members, ``4 ((S - m) + (n - 1) m)`` bytes (about
-``2 (n - 1) / n`` of the vector), and receives as much; the messages add a few dozen bytes each to that.
+protobuf size of every all-reduce message this member handed to the transport / took from it, before libp2p
+framing and encryption (``ExactRunner`` counts them; the vote's few bytes are not counted). A member reducing
+``m`` of ``S`` fp32 values in a group of ``n`` sends ``S - m`` values to the other reducers and its averaged
+slice to ``n - 1`` members, ``4 ((S - m) + (n - 1) m)`` bytes (about ``2 (n - 1) / n`` of the vector), and
+receives as much; the messages add a few dozen bytes each to that.
 
 State sharing: ``get_current_state`` serves the provider's output without the averager's tensor lock. The stock
 one takes it, and an all-reduce holds it all round: measured (200 MB, next_chunk_timeout 2 s), a download from
@@ -53,22 +50,22 @@ import logging
 import math
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.averaging.partition import BannedException
-from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2p_diloco.engine import ReduceInfo
+from p2p_diloco.swarm.butterfly import ExactRunner
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, decide
 
@@ -85,97 +82,6 @@ class _NoGroupIsNotAnError(logging.Filter):
 
 
 logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNotAnError())
-
-
-async def _counted(messages: AsyncIterable[Any], counts: Counter[str], key: str) -> AsyncIterator[Any]:
-    """``messages`` passed through; ``counts[key]`` grows by each one's protobuf size as it passes."""
-    async for message in messages:
-        counts[key] += message.ByteSize()
-        yield message
-
-
-class _CountingStub:
-    """A groupmate's stub whose ``rpc_aggregate_part`` counts the payload bytes both ways into ``counts``."""
-
-    def __init__(self, stub: Any, counts: Counter[str]):
-        self._stub, self._counts = stub, counts
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stub, name)
-
-    async def rpc_aggregate_part(self, inputs: AsyncIterable[Any], **kwargs: Any) -> AsyncIterator[Any]:
-        replies = await self._stub.rpc_aggregate_part(_counted(inputs, self._counts, "sent"), **kwargs)
-        return _counted(replies, self._counts, "received")
-
-
-class _ExactRunner(AllReduceRunner):
-    """AllReduceRunner whose results are the averaged parts themselves (bitwise equal on every member).
-
-    ``payload_bytes["sent"]`` / ``["received"]``: protobuf bytes of the all-reduce messages this member handed to
-    the transport / took from it (module docstring, Timing), as sender (``_get_peer_stub``) and as reducer
-    (``rpc_aggregate_part``).
-    """
-
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.tensor_part_container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
-        self.payload_bytes: Counter[str] = Counter(sent=0, received=0)
-
-    def _get_peer_stub(self, peer: Any) -> Any:
-        """Our parts to that reducer and its averaged parts back: counted as they pass (allreduce.py:216)."""
-        return _CountingStub(super()._get_peer_stub(peer), self.payload_bytes)
-
-    async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: P2PContext) -> AsyncIterator[Any]:
-        """A sender's parts to our reducer and our replies to it (averaged parts or a refusal), counted."""
-        requests = _counted(stream, self.payload_bytes, "received")
-        async with contextlib.aclosing(super().rpc_aggregate_part(requests, context)) as replies:
-            async for reply in replies:
-                self.payload_bytes["sent"] += reply.ByteSize()
-                yield reply
-
-    async def _communicate_with_peer(self, peer_id: Any) -> None:
-        if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
-        index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
-        try:
-            for part_index, part in enumerate(self.parts_for_local_averaging):
-                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
-                self.tensor_part_container.register_processed_part(index, part_index, averaged)
-        except BaseException:
-            self.tensor_part_container.register_failed_reducer(index)  # stock: our own slice would hang
-            raise
-
-    async def _handle_missing_senders(self) -> None:
-        """Stock: ban senders that never started. Added: ban senders stalling the current part (module doc)."""
-        await super()._handle_missing_senders()
-        reducer = self.tensor_part_reducer
-        while not reducer.finished.is_set():
-            part = reducer.current_part_index
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(reducer.finished.wait(), timeout=self.sender_timeout)
-            if reducer.current_part_index == part and not reducer.finished.is_set():
-                for sender_index, peer_id in enumerate(self.sender_peer_ids):
-                    if reducer.num_parts_received[sender_index] <= part and peer_id not in self.banned_senders:
-                        await self._ban_sender(peer_id)
-
-    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
-        part_index, loop = 0, asyncio.get_event_loop()
-        try:
-            async for part, weight, compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
-                try:
-                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
-                    part_index += 1
-                except BannedException:
-                    break  # the sender was banned in the background; stop aggregating it
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-        finally:
-            if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
 class PseudoGradAverager(DecentralizedAverager):
@@ -390,7 +296,7 @@ class PseudoGradAverager(DecentralizedAverager):
             download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
             sizes = load_balance_peers(self.total_size, download, min_vector_size)
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                runner = _ExactRunner(
+                runner = ExactRunner(
                     p2p=self._p2p,
                     servicer_type=type(self),
                     prefix=self.prefix,
