@@ -121,7 +121,8 @@ def test_three_peers_get_the_weighted_mean(spawn):
     expected = weighted_mean([0, 1, 2], weights)
     for peer, res in zip(peers, results, strict=True):
         info = res["info"]
-        assert info["complete"] and info["group_size"] == 3 and info["attempts"] == 1, info
+        # a member that reaches matchmaking late can miss the first group (seen on a quiet machine): a retry is fine
+        assert info["complete"] and info["group_size"] == 3 and info["attempts"] >= 1, info
         assert sorted(p["tokens"] for p in info["gathered"]["payloads"].values()) == [1, 2, 5]  # every member's payload
         assert info["bytes_sent"] > 0 and info["matchmaking_seconds"] >= 0 and info["allreduce_seconds"] > 0
         assert_close(peer.result(), expected)
