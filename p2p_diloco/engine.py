@@ -284,6 +284,8 @@ class Worker:
     ) -> RoundResult | None:
         """Carry out ``decide``'s action for this round; a RoundResult when the outer state moved by it."""
         decision = decide(mine.payload.tag, info.gathered, info.complete, rules)
+        if decision.action is Action.LOCAL_STEP:
+            averaged = mine.pseudo_grad  # whatever the group computed, a local step is our own
         done = self._carry_out(decision, averaged, info, sync)
         if done is None:
             self.state.copy_to(self.model.parameters())  # θ back to the (possibly downloaded) anchor
@@ -310,7 +312,7 @@ class Worker:
             log.warning("%s: %s; caught up to round %d", label, decision.reason, self.state.round)
             return self.outer_lr(decision.majority.round)
         if decision.action is Action.LOCAL_STEP:
-            log.warning("%s: %s (%s)", label, decision.reason, info.reason)
+            log.warning("%s: %s%s", label, decision.reason, f" ({info.reason})" if info.reason else "")
         elif decision.out_of_sync:
             log.warning("%s: %s", label, decision.reason)
         consensus = decision.action is Action.APPLY

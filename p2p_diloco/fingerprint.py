@@ -23,6 +23,7 @@ Output:  :func:`swarm_fingerprint` -> (12 hex digits, summary). The summary is a
            data.num_shards, .partition, data.dirichlet_alpha (only with partition=dirichlet, the only method that
            reads it), data.eval_fraction, data.seq_len
            seed, inner.steps, outer.lr, outer.momentum, outer.nesterov, outer.lr_warmup_rounds
+           swarm.aggregation, swarm.aggregation_clip   how the reducers bound each sender (robust.py)
          :func:`fingerprint_differences` -> one line per differing field, ``"field: theirs X, ours Y"``.
 State:   none; both functions are pure (no network, no hivemind).
 Failure: swarm_fingerprint raises ValueError when ``data`` was not built from ``cfg.data``;
@@ -142,6 +143,8 @@ def swarm_fingerprint(cfg: Config, model: torch.nn.Module, data: DataPipeline) -
             "outer.momentum": cfg.outer.momentum,
             "outer.nesterov": cfg.outer.nesterov,
             "outer.lr_warmup_rounds": cfg.outer.lr_warmup_rounds,
+            "swarm.aggregation": cfg.swarm.aggregation,
+            "swarm.aggregation_clip": cfg.swarm.aggregation_clip,
         }
     )
     return _sha(summary, 12), summary

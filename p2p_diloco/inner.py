@@ -7,7 +7,9 @@ Output:  the model's params after H steps, and InnerStats (mean loss, tokens, se
          memory) for the round; per-step losses for logs.
 State:   the optimizer (AdamW moments), kept across rounds on purpose: DiLoCo keeps each worker's inner
          state (diloco-notes.md).
-Failure: NonFiniteLossError when a step's loss is NaN/inf (the round must be abandoned, not averaged).
+Failure: NonFiniteLossError when a step's loss is NaN/inf (the round must be abandoned, not averaged). The
+         gradients of an abandoned step are dropped when the next round starts, so they never leak into it;
+         ``drop_nonfinite_state`` forgets optimizer moments that hold NaN/inf (the peer's rollback calls it).
 
 Schedule: linear warmup over ``warmup_steps`` from 0, then cosine decay to ``min_lr_ratio * lr`` at
 ``total_steps`` (or constant). ``grad_accum`` batches make one step; tokens count all of them.
@@ -98,6 +100,20 @@ class InnerOptimizer:
             raise NonFiniteLossError(f"inner loss is {total_loss}: lower inner.lr or check the data")
         return total_loss, tokens
 
+    def drop_nonfinite_state(self) -> bool:
+        """Forget the optimizer's state (AdamW moments, step counts) if any of it holds NaN/inf; True when it did.
+
+        An inf gradient that passed a finite loss leaves NaN moments behind, and then every later step is NaN
+        whatever θ starts from; forgotten moments start afresh at the next step.
+        """
+        for entry in self.optimizer.state.values():
+            for value in entry.values():
+                if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    self.optimizer.state.clear()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return True
+        return False
+
     def apply(self, step: int) -> None:
         """Clip, set the scheduled lr for global step ``step`` and take the optimizer step."""
         if self.cfg.grad_clip > 0:
@@ -119,6 +135,7 @@ class InnerOptimizer:
     ) -> InnerStats:
         """Take ``steps`` optimizer steps starting at global step ``first_step``."""
         self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)  # an abandoned step's grads (NaN loss, stop) must not add up here
         stats = InnerStats()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

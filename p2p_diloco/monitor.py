@@ -378,8 +378,11 @@ class Monitor:
     def refresh(self) -> SwarmSummary:
         now = time.time()
         try:
-            reading = read_swarm(self.dht, self.run_id, timeout=max(10.0, 2 * self.interval), rejects=self.rejects)
+            timeout = max(10.0, 2 * self.interval)
+            reading = read_swarm(self.dht, self.run_id, timeout=timeout, rejects=self.rejects, stop=self.stop)
         except TimeoutError as exc:
+            if self.stop.is_set() and self._latest is not None:
+                return self._latest  # asked to exit mid-read: nothing new to record
             summary = self.tracker.failed(now, str(exc))
         else:
             self._warn(reading)

@@ -102,6 +102,10 @@ class OuterState:
         """Anchor then momentum: the order used for state transfer and checkpoints."""
         return [*self.anchor, *self.momentum]
 
+    def is_finite(self) -> bool:
+        """No NaN or inf in the anchor or the momentum (one pass over the state)."""
+        return all(bool(torch.isfinite(t).all()) for t in self.tensors())
+
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], round: int) -> OuterState:
         if len(tensors) % 2:

@@ -10,9 +10,16 @@ Modes (all see the same tokens: K shards x H steps x B x T per round):
     sync    one model; each step averages the K shards' gradients (synchronous data-parallel)
     single  one model; K x H steps per round, batches taken in turn from the K shards
 
+diloco/fedavg aggregate the K Δ with ``robust.aggregate_flat`` under ``swarm.aggregation`` (clip factor
+``swarm.aggregation_clip``, parts of ``swarm.part_size_bytes / 4`` values), as the swarm's reducers do; robust rules
+weight each worker by ``robust.trusted_weight`` (0 when its wire weight is not the tokens it declared), ``mean`` by the
+wire weight as is. ``--attack`` makes worker 0 hostile (diloco/fedavg only): ``negate`` sends -X x its Δ, ``weight``
+sends its Δ with wire weight X x its tokens while declaring its tokens (X = ``--attack-scale``).
+
 Inputs:  a config file + overrides; the data pipeline is built with data.num_shards = K.
 Output:  OUT/results.json (final_eval_loss, eval_loss_per_round, tokens_per_worker,
-         bytes_sent_per_worker (what the swarm would send, fp32 butterfly), wall_seconds, ...),
+         bytes_sent_per_worker (what the swarm would send, fp32 butterfly), wall_seconds, attack (kind, scale,
+         worker), aggregation (rule, clip, counts of excluded and clipped worker-parts), ...),
          OUT/final_state/ (the final outer state, see checkpoint.py; sync/single: the model's params),
          OUT/metrics.jsonl (one record per round), OUT/run_metadata.json.
 Failure: bad config or data -> one-line message and exit 2; a non-finite loss or update -> exit 3
@@ -36,14 +43,16 @@ import torch
 from p2p_diloco.checkpoint import save_outer_state
 from p2p_diloco.config import Config, ConfigError, load_config, write_run_metadata
 from p2p_diloco.data import DataError, DataPipeline
-from p2p_diloco.engine import ReduceInfo, RoundResult, Worker, evaluate, fp32_bytes_sent
+from p2p_diloco.engine import Contribution, ReduceInfo, RoundResult, Worker, evaluate, fp32_bytes_sent
 from p2p_diloco.inner import InnerStats, NonFiniteLossError
-from p2p_diloco.outer import NonFiniteUpdateError, OuterState, weighted_mean
+from p2p_diloco.outer import NonFiniteUpdateError, OuterState
+from p2p_diloco.robust import AggregateStats, aggregate_flat, max_round_tokens, trusted_weight
 from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules
 
-__all__ = ["MODES", "simulate", "main"]
+__all__ = ["ATTACKS", "MODES", "simulate", "main"]
 
 MODES = ("diloco", "fedavg", "sync", "single")
+ATTACKS = ("none", "negate", "weight")  # what worker 0 does in diloco/fedavg (module doc)
 log = logging.getLogger("p2p_diloco.simulate")
 
 
@@ -88,10 +97,19 @@ class _Local:
         return stats
 
 
-def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
-    """Run ``cfg.train.rounds`` rounds of ``mode`` with ``workers`` workers; write OUT files."""
+def simulate(
+    cfg: Config, mode: str, workers: int, out: Path, attack: str = "none", attack_scale: float = 1000.0
+) -> dict[str, Any]:
+    """Run ``cfg.train.rounds`` rounds of ``mode`` with ``workers`` workers (worker 0 doing ``attack``); write OUT
+    files."""
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r} is invalid: must be one of {', '.join(MODES)}")
+    if attack not in ATTACKS:
+        raise ConfigError(f"--attack {attack!r} is invalid: must be one of {', '.join(ATTACKS)}")
+    if attack != "none" and mode not in ("diloco", "fedavg"):
+        raise ConfigError(f"--attack {attack} needs --mode diloco or fedavg (there is no aggregation in {mode})")
+    if attack != "none" and not (attack_scale > 0 and attack_scale < float("inf")):
+        raise ConfigError(f"--attack-scale {attack_scale!r} is invalid: must be a finite number > 0")
     if workers < 1:
         raise ConfigError(f"--workers {workers} is invalid: must be >= 1")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_shards=workers, shard_index=None))
@@ -112,23 +130,28 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
         pool, model = [local.worker], local.worker.model
     num_params = pool[0].num_params
     rules = RoundRules.from_config(cfg.swarm)
+    hostile = _Attack(attack, attack_scale)
+    agg_stats = AggregateStats()
 
     initial = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
     eval_per_round: dict[int, float] = {0: initial["all"]}
     bytes_sent, tokens_per_worker = 0, 0
     metrics = (out / "metrics.jsonl").open("w")
     log.info(
-        "%s, %d workers, %d params, %d rounds; initial eval loss %.4f",
+        "%s, %d workers, %d params, %d rounds, aggregation %s (clip %g), attack %s; initial eval loss %.4f",
         mode,
         workers,
         num_params,
         cfg.train.rounds,
+        cfg.swarm.aggregation,
+        cfg.swarm.aggregation_clip,
+        f"{attack} x{attack_scale:g} by worker 0" if attack != "none" else "none",
         initial["all"],
     )
     try:
         for r in range(1, cfg.train.rounds + 1):
             if mode in ("diloco", "fedavg"):
-                result = _diloco_round(pool, rules, eval_sets)
+                result = _diloco_round(pool, rules, eval_sets, hostile, agg_stats)
             else:
                 inner = local.round()
                 sent = fp32_bytes_sent(num_params, workers) * (local.steps if mode == "sync" else 0)
@@ -168,16 +191,63 @@ def simulate(cfg: Config, mode: str, workers: int, out: Path) -> dict[str, Any]:
         "bytes_sent_per_worker": bytes_sent,
         "wall_seconds": time.perf_counter() - started,
         "final_checksum": pool[0].state.checksum(),
+        "attack": {"kind": attack, "scale": attack_scale if attack != "none" else None, "worker": hostile.worker},
+        "aggregation": {
+            "rule": cfg.swarm.aggregation if mode in ("diloco", "fedavg") else None,
+            "clip": cfg.swarm.aggregation_clip,
+            **agg_stats.as_dict(),
+        },
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     save_outer_state(out / "final_state", pool[0].state, {"mode": mode, "workers": workers})
     return results
 
 
-def _diloco_round(pool: list[Worker], rules: RoundRules, eval_sets: dict[str, torch.Tensor]) -> RoundResult:
-    """One round of the K workers through the same contribute/settle as a swarm peer, with an in-process mean."""
+@dataclasses.dataclass
+class _Attack:
+    """What worker 0 sends instead of its honest Δ and weight (module doc); ``none``: nothing changes."""
+
+    kind: str
+    scale: float
+
+    @property
+    def worker(self) -> int | None:
+        return None if self.kind == "none" else 0
+
+    def sent(self, mine: list[Contribution]) -> tuple[list[list[torch.Tensor]], list[float]]:
+        """Each worker's Δ and wire weight as a reducer receives them."""
+        deltas = [c.pseudo_grad for c in mine]
+        wire = [float(c.inner.tokens) for c in mine]
+        if self.kind == "negate":
+            deltas[0] = [d.mul(-self.scale) for d in deltas[0]]
+        elif self.kind == "weight":
+            wire[0] = self.scale * wire[0]
+        return deltas, wire
+
+
+def _aggregate(cfg: Config, mine: list[Contribution], attack: _Attack, stats: AggregateStats) -> list[torch.Tensor]:
+    """The reducers' result for this round: ``swarm.aggregation`` over parts of ``swarm.part_size_bytes / 4``."""
+    s = cfg.swarm
+    deltas, wire = attack.sent(mine)
+    if s.aggregation == "mean":  # as the swarm's plain mean: the wire weight as is
+        weights = wire
+    else:
+        cap = max_round_tokens(cfg)
+        weights = [trusted_weight(w, c.payload.tokens, cap) for w, c in zip(wire, mine, strict=True)]
+    return aggregate_flat(deltas, weights, s.aggregation, s.aggregation_clip, s.part_size_bytes // 4, stats)
+
+
+def _diloco_round(
+    pool: list[Worker],
+    rules: RoundRules,
+    eval_sets: dict[str, torch.Tensor],
+    attack: _Attack,
+    stats: AggregateStats,
+) -> RoundResult:
+    """One round of the K workers through the same contribute/settle as a swarm peer, with an in-process
+    aggregation (``swarm.aggregation``) standing in for the reducers."""
     mine = [w.contribute() for w in pool]
-    averaged = weighted_mean([c.pseudo_grad for c in mine], [float(c.inner.tokens) for c in mine])
+    averaged = _aggregate(pool[0].cfg, mine, attack, stats)
     sent = fp32_bytes_sent(pool[0].num_params, len(pool))
     gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
     results = []
@@ -209,11 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--out", required=True, type=Path, help="directory for results.json and metrics.jsonl")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument(
+        "--attack", choices=ATTACKS, default="none", help="worker 0 is hostile (diloco/fedavg): see the module doc"
+    )
+    parser.add_argument(
+        "--attack-scale", type=float, default=1000.0, metavar="X", help="negate: sends -X x Δ; weight: X x tokens"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = load_config(args.config, args.overrides)
-        results = simulate(cfg, args.mode, args.workers, args.out)
+        results = simulate(cfg, args.mode, args.workers, args.out, args.attack, args.attack_scale)
     except (ConfigError, DataError) as exc:
         print(f"run_simulation: {exc}", file=sys.stderr)
         return 2

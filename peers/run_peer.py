@@ -8,7 +8,7 @@ Usage:
     # or: export P2P_DILOCO_INITIAL_PEERS="/ip4/.../p2p/Qm..."; run_peer --config ... --log-dir ...
 
 Exit codes: 0 finished or stopped by SIGINT/SIGTERM; 2 bad input (config, data, address); 3 no initial peer
-answered; 1 anything unexpected.
+answered; 1 anything unexpected, or swarm.max_failed_rounds failed rounds in a row (checkpointed first).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from p2p_diloco.swarm.dht import (
     initial_peers_from_env,
     parse_initial_peers,
 )
-from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
+from p2p_diloco.swarm.peer import PeerOptions, RoundsFailing, TrainingPeer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except SwarmUnreachableError as exc:
         print(f"run_peer: {exc}", file=sys.stderr)
         return 3
+    except RoundsFailing as exc:
+        print(f"run_peer: {exc}", file=sys.stderr)
+        return 1
     except (CheckpointError, ConfigError, DataError, SwarmSetupError) as exc:
         print(f"run_peer: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ payload; default [0, "start"], the same on every peer), optional ``kill_after_pa
 whole process group from inside the all-reduce once it has handed that many parts to other reducers;
 tests/faults.py), optional
 ``state_meta`` (serve it with make_grads(seed + 1000, shapes) as the outer state), optional ``gather_garbage``
-(send this value instead of a gather payload), ``out_dir``.
+(send this value instead of a gather payload), optional ``weight_scale`` (put this multiple of the declared
+tokens on the wire as the weight), ``out_dir``.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
@@ -85,7 +86,7 @@ def main() -> None:
             payload = GatherPayload(RoundTag(rnd, checksum), int(weight))
             if "gather_garbage" in cfg:  # what a broken or hostile peer could send instead of a payload
                 payload = _Garbage(cfg["gather_garbage"])
-            averaged, info = averager.reduce(grads, weight, payload)
+            averaged, info = averager.reduce(grads, weight * cfg.get("weight_scale", 1.0), payload)
             seconds = time.monotonic() - t0
             torch.save(averaged, os.path.join(out_dir, "result.pt"))
             payloads = {p: g.to_wire() for p, g in info.gathered.payloads.items()}

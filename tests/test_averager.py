@@ -197,7 +197,8 @@ def test_members_out_of_sync_count_only_when_one_round_behind(spawn, third_tag, 
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
 def test_malformed_gather_payload_is_dropped_and_counted_not_raised(spawn):
-    """A member whose payload is garbage still averages (its weight is its own), but never votes on the round."""
+    """A member whose payload is garbage serves as a reducer but its Δ weighs 0 (nothing declares its tokens),
+    and it never votes on the round."""
     garbage = {2: {"gather_garbage": {"v": 1, "round": "three", "checksum": ["x"], "tokens": -1}}}
     peers = start_swarm(spawn, 3, per_peer=garbage)
     for peer in peers:
@@ -207,7 +208,20 @@ def test_malformed_gather_payload_is_dropped_and_counted_not_raised(spawn):
         info = res["info"]
         assert info["complete"] and info["group_size"] == 3, info
         assert info["gathered"]["malformed"] == 1 and len(info["gathered"]["payloads"]) == 2, info
-        assert_close(peer.result(), weighted_mean([0, 1, 2], [1.0, 1.0, 1.0]))
+        assert_close(peer.result(), weighted_mean([0, 1], [1.0, 1.0]))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_wire_weight_that_is_not_the_declared_tokens_counts_zero(spawn):
+    """A member claiming 1e6 x its tokens on the wire (its payload says the truth) weighs 0 at every reducer."""
+    peers = start_swarm(spawn, 3, per_peer={2: {"weight_scale": 1e6}})
+    for peer in peers:
+        peer.send("REDUCE 2.0")
+    results = [peer.expect("RESULT", 40) for peer in peers]
+    for peer, res in zip(peers, results, strict=True):
+        assert res["info"]["complete"] and res["info"]["group_size"] == 3, res
+        assert_close(peer.result(), weighted_mean([0, 1], [2.0, 2.0]))
 
 
 @pytest.mark.swarm

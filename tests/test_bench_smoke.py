@@ -1,16 +1,21 @@
 """Every benchmark script in scripts/bench/ in its ``--smoke`` mode: it runs, exits 0 and writes sensible rows.
 
 Each script runs as ``python scripts/bench/<item>.py --smoke --out <tmp>/<item>.json`` (run_all: ``--results
-<tmp>``) in its own session, with a deadline; on a failure or a timeout it is SIGTERMed (its ``finally`` blocks
-stop the swarms it started) and then its process group is SIGKILLed. The measured results in
-scripts/bench/results/ and BENCHMARKS.md must be left untouched. A few seconds to about a minute each on 2 cores.
+<tmp>/results``) in its own session, with a deadline; on a failure or a timeout it is SIGTERMed (its ``finally``
+blocks stop the swarms it started) and then its process group is SIGKILLed. The measured results in
+scripts/bench/results/ and BENCHMARKS.md must be left untouched. The scripts selected for a session all start
+together when the first of their tests runs (they mostly wait on process start-up and matchmaking, so together
+they take about half as long as one after the other); each test then waits for its own, within its deadline.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +38,47 @@ def measured_results_untouched():
     assert sorted((BENCH / "results").glob("*.json")) == sorted(p for p in before if p.suffix == ".json")
 
 
-def run_smoke(script: str, args: list[str], timeout: float) -> Proc:
-    """Run ``script --smoke args`` to completion within ``timeout`` seconds; fail (with its output) unless rc 0."""
-    proc = Proc([sys.executable, str(BENCH / script), "--smoke", *args], cwd=ROOT)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except Exception:  # subprocess.TimeoutExpired
-        proc.stop(grace=20.0)
-        pytest.fail(f"{script} --smoke did not finish within {timeout:.0f} s\n{proc.describe(60)}")
-    finally:
+# test name -> (script, its arguments given the output dir, seconds it may take from the common start)
+SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
+    "test_inner_smoke": ("inner.py", lambda d: ["--out", str(d / "inner.json")], 120),
+    "test_comm_quality_smoke": ("comm_quality.py", lambda d: ["--out", str(d / "comm_quality.json")], 150),
+    "test_allreduce_smoke": ("allreduce.py", lambda d: ["--out", str(d / "allreduce.json")], 180),
+    "test_utilisation_smoke": ("utilisation.py", lambda d: ["--out", str(d / "utilisation.json")], 180),
+    "test_memory_smoke": ("memory.py", lambda d: ["--out", str(d / "memory.json")], 210),
+    "test_run_all_smoke_writes_into_its_results_dir": (
+        "run_all.py",
+        lambda d: ["--only", "inner", "--results", str(d / "results")],
+        150,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def smoke(request, tmp_path_factory):
+    """``smoke(test name) -> (Proc, output dir)`` once that script exited 0; all selected scripts start at once."""
+    out = tmp_path_factory.mktemp("bench")
+    selected = [item.name for item in request.session.items if item.name in SMOKES]
+    procs = {}
+    for name in selected:
+        script, args, _ = SMOKES[name]
+        procs[name] = Proc([sys.executable, str(BENCH / script), "--smoke", *args(out)], cwd=ROOT)
+    started = time.monotonic()
+
+    def finish(name: str) -> tuple[Proc, Path]:
+        proc, (script, _, timeout) = procs[name], SMOKES[name]
+        try:
+            rc = proc.wait(timeout=max(1.0, started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.stop(grace=20.0)
+            pytest.fail(f"{script} --smoke did not finish within {timeout:.0f} s\n{proc.describe(60)}")
+        assert rc == 0, proc.describe(60)
+        return proc, out
+
+    yield finish
+    for proc in procs.values():
         if proc.alive():
             proc.stop(grace=20.0)
         proc.kill_group()
-    assert rc == 0, proc.describe(60)
-    return proc
 
 
 def load(path: Path, item: str) -> dict[str, Any]:
@@ -65,18 +97,18 @@ def assert_rows_positive(data: dict[str, Any]) -> None:
         assert positive(r["value"]) and positive(r["reference_value"]) and positive(r["ratio"]), r
 
 
-@pytest.mark.timeout(120)
-def test_inner_smoke(tmp_path):
-    run_smoke("inner.py", ["--out", str(tmp_path / "inner.json")], timeout=90)
-    data = load(tmp_path / "inner.json", "inner")
+@pytest.mark.timeout(240)
+def test_inner_smoke(smoke):
+    _, out = smoke("test_inner_smoke")
+    data = load(out / "inner.json", "inner")
     assert_rows_positive(data)
     assert [len(c["pairs"]) for c in data["cases"]] == [2]
 
 
-@pytest.mark.timeout(150)
-def test_comm_quality_smoke(tmp_path):
-    run_smoke("comm_quality.py", ["--out", str(tmp_path / "comm_quality.json")], timeout=120)
-    data = load(tmp_path / "comm_quality.json", "comm_quality")
+@pytest.mark.timeout(240)
+def test_comm_quality_smoke(smoke):
+    _, out = smoke("test_comm_quality_smoke")
+    data = load(out / "comm_quality.json", "comm_quality")
     for r in data["rows"]:  # the first target may be out of reach in 4 steps; the common one never is
         assert r["value"] is None or (isinstance(r["value"], int) and r["value"] >= 0), r
     common = [r for r in data["rows"] if r["group"] == "common"]
@@ -84,10 +116,10 @@ def test_comm_quality_smoke(tmp_path):
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(180)
-def test_allreduce_smoke(tmp_path):
-    run_smoke("allreduce.py", ["--out", str(tmp_path / "allreduce.json")], timeout=150)
-    data = load(tmp_path / "allreduce.json", "allreduce")
+@pytest.mark.timeout(240)
+def test_allreduce_smoke(smoke):
+    _, out = smoke("test_allreduce_smoke")
+    data = load(out / "allreduce.json", "allreduce")
     assert_rows_positive(data)
     assert not data["problems"], data["problems"]
     (s,) = data["summaries"]
@@ -102,10 +134,10 @@ def test_allreduce_smoke(tmp_path):
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(180)
-def test_utilisation_smoke(tmp_path):
-    run_smoke("utilisation.py", ["--out", str(tmp_path / "utilisation.json")], timeout=150)
-    data = load(tmp_path / "utilisation.json", "utilisation")
+@pytest.mark.timeout(240)
+def test_utilisation_smoke(smoke):
+    _, out = smoke("test_utilisation_smoke")
+    data = load(out / "utilisation.json", "utilisation")
     (case,) = data["cases"]
     assert case["problem"] == "", case["problem"]
     (r,) = data["rows"]
@@ -114,19 +146,19 @@ def test_utilisation_smoke(tmp_path):
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(210)
-def test_memory_smoke(tmp_path):
-    run_smoke("memory.py", ["--out", str(tmp_path / "memory.json")], timeout=180)
-    data = load(tmp_path / "memory.json", "memory")
+@pytest.mark.timeout(240)
+def test_memory_smoke(smoke):
+    _, out = smoke("test_memory_smoke")
+    data = load(out / "memory.json", "memory")
     assert data["problem"] == "" and data["rounds_done"] == 2, (data["problem"], data["rounds_done"])
     assert len(data["rows"]) == 4 and all(positive(r["value"]) and positive(r["ratio"]) for r in data["rows"])
     assert {"host (run_peer)", "p2pd", "averager process"} <= set(data["roles"]), data["roles"]
 
 
-@pytest.mark.timeout(150)
-def test_run_all_smoke_writes_into_its_results_dir(tmp_path):
-    out = tmp_path / "results"
-    proc = run_smoke("run_all.py", ["--only", "inner", "--results", str(out)], timeout=120)
+@pytest.mark.timeout(240)
+def test_run_all_smoke_writes_into_its_results_dir(smoke):
+    proc, out = smoke("test_run_all_smoke_writes_into_its_results_dir")
+    out = out / "results"
     assert sorted(p.name for p in out.iterdir()) == ["BENCHMARKS.md", "inner.json", "run_all.json"], proc.describe()
     summary = load_run_all(out / "run_all.json")
     assert summary["items"]["inner"]["rc"] == 0 and summary["failed"] == [], summary

@@ -282,10 +282,9 @@ def test_a_newcomer_with_other_data_settings_is_refused_naming_the_field(spawn, 
     line = first.wait_for_line(r"reachable as: --initial-peers ", timeout=90).string
     initial = line.split("--initial-peers ")[1].split()
     first.wait_for_line(r"^joined at round", timeout=90)  # its fingerprint is announced by then
-    for n, (override, field) in enumerate(
-        [("data.eval_fraction=0.2", "data.eval_fraction"), ("data.num_shards=3", "data.num_shards")]
-    ):
-        newcomer = start_peer(spawn, initial, tmp_path / f"newcomer{n}", override)
+    cases = [("data.eval_fraction=0.2", "data.eval_fraction"), ("data.num_shards=3", "data.num_shards")]
+    newcomers = [start_peer(spawn, initial, tmp_path / f"newcomer{n}", o) for n, (o, _) in enumerate(cases)]
+    for newcomer, (override, field) in zip(newcomers, cases):  # both at once: they are refused independently
         rc = newcomer.wait(timeout=90)
         print(f"newcomer with {override}: rc {rc}, stderr:\n{newcomer.stderr}")
         assert rc == 2, newcomer.describe()

@@ -44,10 +44,14 @@ CASES = [
     ("ahead of the group", A6, group(A6, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
     ("diverged at the same round", B5, group(B5, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
     ("in the majority, one member behind", A5, group(A5, A5, A4), True, LOCAL, Action.APPLY, True, A5),
-    ("tie, on the larger side", B5, group(B5, A5), True, LOCAL, Action.APPLY, True, B5),
-    ("tie, on the smaller side", A5, group(A5, B5), True, LOCAL, Action.RESYNC, False, B5),
-    ("tie across rounds: one behind", A4, group(A4, A5), True, LOCAL, Action.CATCH_UP, True, A5),
-    ("malformed payloads do not vote", A4, group(A4, A5, garbage=3), True, LOCAL, Action.CATCH_UP, True, A5),
+    ("tie: no majority", B5, group(B5, A5), True, LOCAL, Action.LOCAL_STEP, False, None),
+    ("tie, the other side", A5, group(A5, B5), True, LOCAL, Action.LOCAL_STEP, False, None),
+    ("tie across rounds: one behind", A4, group(A4, A5), True, LOCAL, Action.LOCAL_STEP, False, None),
+    ("tie: a far-ahead claim wins nothing", A5, group(A5, RoundTag(10**6, "f")), True, LOCAL, Action.LOCAL_STEP,
+     False, None),
+    ("tie of two pairs, alone_policy wait", A5, group(A5, A5, B5, B5), True, WAIT, Action.DISCARD, False, None),
+    ("a majority beside a tie of the rest", A5, group(A5, A5, B5, A4), True, LOCAL, Action.APPLY, True, A5),
+    ("malformed payloads do not vote", A4, group(A4, A5, A5, garbage=3), True, LOCAL, Action.CATCH_UP, True, A5),
     ("malformed outvoting nobody", A5, group(A5, garbage=4), True, LOCAL, Action.APPLY, True, A5),
 ]
 
@@ -82,8 +86,9 @@ def test_reasons_name_what_happened():
     assert "alone_policy=wait" in decide(A5, group(A5), False, WAIT).reason
 
 
-def test_majority_needs_a_valid_payload():
+def test_majority_needs_a_valid_payload_and_no_tie():
     assert majority_tag(group(garbage=3)) is None
+    assert majority_tag(group(A5, B5)) is None and majority_tag(group(A5, B5, A5)) == A5
     assert decide(A5, group(garbage=3), True, LOCAL).action is Action.APPLY  # nobody to disagree with
 
 

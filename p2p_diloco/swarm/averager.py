@@ -2,7 +2,10 @@
 
 Inputs:  ``reduce(pseudo_grads, weight, payload)``: one fp32 CPU tensor per parameter (the template shapes, the
          same on every peer), a finite weight > 0 (tokens this round), and this peer's GatherPayload (its round
-         tag; protocol.py), which every member receives. ``RoundRules`` (the config's) at construction.
+         tag; protocol.py), which every member receives. At construction: ``RoundRules``, the reducers'
+         ``aggregation`` rule and clip (robust.py; ``swarm.aggregation``) and ``max_tokens``, the most tokens one
+         round can hold (robust.max_round_tokens). A reducer weighs each sender by the tokens its payload
+         declared when its Δ counts and its wire weight says the same (0 otherwise), not by the wire weight.
 Output:  ``(averaged, ReduceInfo)``: EITHER the weighted mean over a group where every member contributed
          and received every part (``complete``; bitwise equal on all members), OR copies of the local
          pseudo-grads (``complete`` False, ``group_size`` 1, ``reason`` says why). Never a partial mean.
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -58,14 +62,14 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.compression import NoCompression
+from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2p_diloco.engine import ReduceInfo
-from p2p_diloco.swarm.butterfly import ExactRunner
+from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, decide
 
@@ -82,6 +86,29 @@ class _NoGroupIsNotAnError(logging.Filter):
 
 
 logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNotAnError())
+
+
+def _digest(tensors: Sequence[torch.Tensor]) -> bytes:
+    """blake2b over the bytes of the averaged vector (16 bytes): equal on two members iff their results are."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy())
+    return h.digest()
+
+
+def _vote_message(group_id: bytes, verdict: bool, digest: bytes) -> averaging_pb2.AveragingData:
+    """A verdict on the wire: ``weight`` 1.0 / 0.0, the digest as a uint8 tensor part."""
+    part = serialize_torch_tensor(torch.tensor(list(digest), dtype=torch.uint8))
+    return averaging_pb2.AveragingData(group_id=group_id, weight=float(verdict), tensor_part=part)
+
+
+def _read_vote(message: Any) -> tuple[bool, bytes]:
+    """(verdict, digest) of a vote message; (False, b"") for anything that does not parse."""
+    try:
+        digest = bytes(deserialize_torch_tensor(message.tensor_part).to(torch.uint8).tolist())
+        return message.weight == 1.0, digest
+    except Exception:  # noqa: BLE001 - a member's garbage is a "no", never an error in our round
+        return False, b""
 
 
 class PseudoGradAverager(DecentralizedAverager):
@@ -108,6 +135,9 @@ class PseudoGradAverager(DecentralizedAverager):
         round_deadline: float,
         max_reduce_attempts: int,
         rules: RoundRules | None = None,
+        aggregation: str = "mean",
+        aggregation_clip: float = 1.0,
+        max_tokens: int | None = None,
         start: bool = True,
         shutdown_timeout: float = 5.0,
     ):
@@ -142,7 +172,9 @@ class PseudoGradAverager(DecentralizedAverager):
             round_deadline,
             max_reduce_attempts,
         )
-        self.rules = rules or RoundRules()  # read in the averager process (set before it forks)
+        # read in the averager process (set before it forks)
+        self.rules = rules or RoundRules()
+        self.aggregation, self.aggregation_clip, self.max_tokens = aggregation, aggregation_clip, max_tokens
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
         if start:
@@ -165,6 +197,8 @@ class PseudoGradAverager(DecentralizedAverager):
             "max_reduce_attempts",
         )
         kw.setdefault("rules", RoundRules.from_config(swarm))
+        kw.setdefault("aggregation", swarm.aggregation)
+        kw.setdefault("aggregation_clip", swarm.aggregation_clip)
         return cls(dht, templates, prefix, **{name: getattr(swarm, name) for name in names}, **kw)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
@@ -271,32 +305,40 @@ class PseudoGradAverager(DecentralizedAverager):
         return averaged, "", False
 
     # ---------------------------------------------------------------- averager process: all-reduce + vote
-    def _vote_state(self, group_id: bytes) -> dict[str, Any]:
-        """Per group: this peer's verdict (a future), verdicts pushed to us by others, a change event."""
+    def _vote_state(self, group_id: bytes, members: Sequence[Any] | None = None) -> dict[str, Any]:
+        """Per group: this peer's verdict (a future of (complete, digest)), verdicts pushed to us by others, a
+        change event, and the members (once this peer knows the group)."""
         if group_id not in self._votes:
             loop = asyncio.get_event_loop()
-            self._votes[group_id] = dict(mine=loop.create_future(), heard={}, changed=asyncio.Event())
+            self._votes[group_id] = dict(mine=loop.create_future(), heard={}, changed=asyncio.Event(), members=None)
             if len(self._votes) > 16:  # keep the verdicts of recent groups only
                 self._votes.popitem(last=False)
-        return self._votes[group_id]
+        state = self._votes[group_id]
+        if members is not None:
+            state["members"] = {str(p) for p in members}
+        return state
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         """Run the stock butterfly, judge this member's view of it, then agree with the group (rpc_vote)."""
-        t_group, gathered, reason, verdict, runner = time.monotonic(), Gathered(), "", False, None
-        vote = self._vote_state(group_info.group_id)["mine"]
+        t_group, gathered, reason, verdict, runner, digest = time.monotonic(), Gathered(), "", False, None, b""
+        vote = self._vote_state(group_info.group_id, group_info.peer_ids)["mine"]
         modes = [AveragingMode.NODE] * group_info.group_size
         try:
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             modes = [AveragingMode(m) for m in mode_ids]
             members = zip(group_info.peer_ids, user_bytes, strict=True)
             gathered = Gathered.parse({str(p): self._decode(b) for p, b in members})
-            mine = gathered.payloads.get(str(self.peer_id))
-            if mine is not None and not decide(mine.tag, gathered, True, self.rules).counts:
+            counted = self._counted_tokens(gathered)
+            if counted.get(str(self.peer_id)) is None:
                 kwargs["weight"] = 0.0  # out of sync with the group: serve as a reducer, contribute nothing
+            senders = [p for p, m in zip(group_info.peer_ids, modes, strict=True) if m != AveragingMode.AUX]
+            declared = tuple(counted.get(str(p)) for p in senders)
+            aggregation = Aggregation(self.aggregation, self.aggregation_clip, declared, self.max_tokens)
             download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
             sizes = load_balance_peers(self.total_size, download, min_vector_size)
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 runner = ExactRunner(
+                    aggregation=aggregation,
                     p2p=self._p2p,
                     servicer_type=type(self),
                     prefix=self.prefix,
@@ -310,6 +352,7 @@ class PseudoGradAverager(DecentralizedAverager):
                 self._running_groups[group_info.group_id].set_result(runner)
                 async for tensor, averaged in azip(as_aiter(*local_tensors), runner):
                     tensor.copy_(averaged)
+                digest = _digest(local_tensors)
             container, reducer = runner.tensor_part_container, runner.tensor_part_reducer
             if container.failed_size:
                 reason = f"{container.failed_size} of {container.total_size} values lost their reducer"
@@ -323,8 +366,9 @@ class PseudoGradAverager(DecentralizedAverager):
             reason = f"{type(e).__name__}: {e}"
         finally:
             if not vote.done():
-                vote.set_result(verdict)
-        against = await self._collect_votes(group_info, modes, verdict, t_group + self.allreduce_timeout - 1.0)
+                vote.set_result((verdict, digest))
+        deadline = t_group + self.allreduce_timeout - 1.0
+        against = await self._collect_votes(group_info, modes, verdict, digest, deadline)
         # read after the vote: a member confirms only once it got all our averaged parts, so they are counted
         payload = runner.payload_bytes if runner is not None else Counter(sent=0, received=0)
         return dict(
@@ -337,6 +381,15 @@ class PseudoGradAverager(DecentralizedAverager):
             bytes_received=payload["received"],
         )
 
+    def _counted_tokens(self, gathered: Gathered) -> dict[str, int]:
+        """{peer id: tokens its payload declares} for the members whose Δ counts (protocol.decide); the others
+        (out of sync, no valid payload) are absent and weigh 0 at every reducer."""
+        out = {}
+        for peer, payload in gathered.payloads.items():
+            if decide(payload.tag, gathered, True, self.rules).counts:
+                out[peer] = payload.tokens
+        return out
+
     def _decode(self, user_bytes: Any) -> Any:
         """One member's gather payload off the wire, or None when it does not decode (then dropped, counted)."""
         try:
@@ -345,15 +398,17 @@ class PseudoGradAverager(DecentralizedAverager):
             return None
 
     async def _collect_votes(
-        self, group_info: GroupInfo, modes: list[AveragingMode], verdict: bool, deadline: float
+        self, group_info: GroupInfo, modes: list[AveragingMode], verdict: bool, digest: bytes, deadline: float
     ) -> list[str]:
         """Exchange verdicts; return the members that did not confirm a complete result (empty: agreed).
 
-        Every member pushes its verdict to every member that accepts calls (not client-mode) and gets that
-        member's verdict back; verdicts of client-mode members arrive only as their pushes.
+        A verdict is (complete?, digest of the member's averaged vector): a member counts as confirming only with
+        a True verdict and the same digest as ours, so a reducer that sent different members different results
+        fails the attempt. Every member pushes its verdict to every member that accepts calls (not client-mode)
+        and gets that member's verdict back; verdicts of client-mode members arrive only as their pushes.
         """
-        state = self._vote_state(group_info.group_id)
-        request = averaging_pb2.AveragingData(group_id=group_info.group_id, weight=float(verdict))
+        state = self._vote_state(group_info.group_id, group_info.peer_ids)
+        request = _vote_message(group_info.group_id, verdict, digest)
         others = [(p, m) for p, m in zip(group_info.peer_ids, modes, strict=True) if p != self.peer_id]
         callable_peers = [p for p, m in others if m != AveragingMode.CLIENT]
         clients = [str(p) for p, m in others if m == AveragingMode.CLIENT]
@@ -361,7 +416,7 @@ class PseudoGradAverager(DecentralizedAverager):
         async def ask(peer: Any) -> bool:
             stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
             timeout = max(0.5, deadline - time.monotonic())
-            return (await stub.rpc_vote(request, timeout=timeout)).weight == 1.0
+            return _read_vote(await stub.rpc_vote(request, timeout=timeout)) == (True, digest)
 
         answers = await asyncio.gather(*map(ask, callable_peers), return_exceptions=True)
         while not all(c in state["heard"] for c in clients) and time.monotonic() < deadline:
@@ -373,20 +428,29 @@ class PseudoGradAverager(DecentralizedAverager):
             for p, a in zip(callable_peers, answers, strict=True)
             if a is not True
         ]
-        against += [f"{p[-6:]}(no)" for p, ok in state["heard"].items() if not ok]
+        against += [f"{p[-6:]}(no)" for p, heard in state["heard"].items() if heard != (True, digest)]
         against += [f"{p[-6:]}(silent)" for p in clients if p not in state["heard"]]
         return against
 
     async def rpc_vote(self, request: averaging_pb2.AveragingData, context: P2PContext) -> averaging_pb2.AveragingData:
-        """Record the caller's verdict; answer with ours once known (False if not known in time)."""
+        """Record the caller's verdict; answer with ours once known (False if not known in time).
+
+        Only for a group this peer is in, from a member of it: anything else is answered False and not kept, so a
+        flood of made-up group ids cannot push the live group's verdicts out.
+        """
+        refused = _vote_message(request.group_id, False, b"")
+        if request.group_id not in self._running_groups and request.group_id not in self._votes:
+            return refused
         state = self._vote_state(request.group_id)
-        state["heard"][str(context.remote_id)] = request.weight == 1.0
+        if state["members"] is not None and str(context.remote_id) not in state["members"]:
+            return refused
+        state["heard"][str(context.remote_id)] = _read_vote(request)
         state["changed"].set()
         try:
-            verdict = await asyncio.wait_for(asyncio.shield(state["mine"]), timeout=self.allreduce_timeout)
+            verdict, digest = await asyncio.wait_for(asyncio.shield(state["mine"]), timeout=self.allreduce_timeout)
         except asyncio.TimeoutError:
-            verdict = False
-        return averaging_pb2.AveragingData(group_id=request.group_id, weight=float(verdict))
+            verdict, digest = False, b""
+        return _vote_message(request.group_id, verdict, digest)
 
     # ---------------------------------------------------------------- state sharing
     def set_state_provider(self, fn: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:

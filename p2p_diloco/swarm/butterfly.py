@@ -15,6 +15,9 @@ What differs from the stock runner:
 - a sender that stalls the reducer's current part longer than ``next_chunk_timeout`` is banned (stock missed a
   sender whose stream broke while the reducer was answering it: the round hung until ``allreduce_timeout``);
 - our own slice marks the reducer failed if its local averaging raises (stock: that slice would hang);
+- the reducer keeps every sender's part and reduces them together (``robust.aggregate``: a mean whose senders
+  are clipped, configured by ``swarm.aggregation``), each with the weight its gather payload declared, if the
+  wire weight matches it and one round can hold it, else 0 (stock: the wire weight, whatever it is);
 - payload bytes are counted where messages meet the transport, both as caller (``_get_peer_stub``: our parts
   to each reducer and its averaged parts back) and as handler (``rpc_aggregate_part``: a sender's parts and our
   replies): the protobuf ``ByteSize()`` of each message, before libp2p framing and encryption. The own slice is
@@ -26,17 +29,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
-__all__ = ["ExactRunner"]
+from p2p_diloco.robust import aggregate, trusted_weight
+
+__all__ = ["Aggregation", "ExactRunner", "RobustPartReducer"]
 
 
 async def _counted(messages: AsyncIterable[Any], counts: Counter[str], key: str) -> AsyncIterator[Any]:
@@ -60,16 +67,84 @@ class _CountingStub:
         return _counted(replies, self._counts, "received")
 
 
+@dataclass(frozen=True)
+class Aggregation:
+    """How a reducer turns the senders' parts into its slice of the mean (robust.py), and whose weight counts.
+
+    ``declared``: per sender (``sender_peer_ids`` order), the tokens its valid gather payload declares when its Δ
+    counts (protocol.decide), else None; a part counts with that many tokens only if the sender's wire weight says
+    the same and it is at most ``max_tokens`` (robust.trusted_weight), else with weight 0.
+    """
+
+    rule: str
+    clip: float
+    declared: tuple[int | None, ...]
+    max_tokens: int | None = None
+
+
+class RobustPartReducer(TensorPartReducer):
+    """A TensorPartReducer that keeps each sender's current part and reduces them together with robust.aggregate,
+    weighting each by its trusted weight instead of the weight it put on the wire."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Aggregation):
+        self.aggregation = aggregation
+        self.current_parts: dict[int, tuple[torch.Tensor, float]] = {}
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        self.current_parts = {}
+        super().reset_accumulators()
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        """Keep this sender's part; once every sender of this part is in, all wait for the same reduced part."""
+        if not (0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts):
+            raise AllreduceException(f"part {part_index} from sender {sender_index} is out of range")
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # earlier parts are still being reduced
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException("this reducer finished before the part arrived")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned")
+        if part_index != self.current_part_index or sender_index in self.current_parts:
+            raise AllreduceException(f"sender {sender_index} sent part {part_index} twice or out of order")
+        future = self.current_part_future
+        declared = self.aggregation.declared[sender_index]
+        limit = self.aggregation.max_tokens if self.aggregation.max_tokens is not None else 2**53
+        trusted = 0.0 if declared is None else trusted_weight(weight, declared, limit)
+        self.current_parts[sender_index] = (tensor_part, trusted)
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self) -> None:
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        senders = sorted(self.current_parts)
+        parts = [self.current_parts[i][0] for i in senders]
+        weights = [self.current_parts[i][1] for i in senders]
+        self.current_part_future.set_result(aggregate(parts, weights, self.aggregation.rule, self.aggregation.clip))
+        self.reset_accumulators()
+
+
 class ExactRunner(AllReduceRunner):
     """AllReduceRunner whose results are the averaged parts themselves (bitwise equal on every member).
 
+    ``aggregation``: the robust reduction and trusted weights of this member's reducer (RobustPartReducer).
     ``payload_bytes["sent"]`` / ``["received"]``: protobuf bytes of the all-reduce messages this member handed to
     the transport / took from it, as sender (``_get_peer_stub``) and as reducer (``rpc_aggregate_part``).
     """
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, aggregation: Aggregation, **kwargs: Any):
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
+        shapes = tuple(part.shape for part in self.parts_for_local_averaging)
+        self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
         self.payload_bytes: Counter[str] = Counter(sent=0, received=0)
 
     def _get_peer_stub(self, peer: Any) -> Any:

@@ -7,11 +7,17 @@ State:   the DHT process and its p2pd child; :func:`shutdown_dht` stops both.
 Failure: :class:`SwarmSetupError` (a ``ValueError``) for bad input (malformed address, no initial peer, busy
          port, unusable identity file); :class:`SwarmUnreachableError` when no initial peer answered within
          ``join_timeout``. In both cases the DHT process and its p2pd are gone before the error is raised.
+         ``bounded``: the result of a DHT call within a deadline, else a default (a lookup that never answers, a
+         dead DHT process); it warns once per kind of call and never raises.
 
 hivemind facts this module relies on (hivemind 1.1.12):
 - p2pd connects to its bootstrap peers before it reports ready: a refused port fails in under a second with
   ``P2PDaemonError("... failed to connect to bootstrap peers")``; a peer that connects but does not speak the
   DHT protocol fails with ``RuntimeError("DHTNode bootstrap failed ...")`` after ``bootstrap_timeout``.
+- a lookup whose answer fails to parse never answers: ``DHTNode`` strips ``[signature:...]`` from every value it
+  returns (``RSASignatureValidator.strip_value``, whatever the key), and a stranger's value holding that text is
+  no longer valid msgpack; the exception is raised inside the search and the ``DHT.get`` future never resolves.
+  Every DHT call a training peer makes therefore goes through ``bounded``.
 - ``DHT.shutdown()`` falls back to SIGTERM on the DHT process; the stock DHT process then dies without stopping
   its p2pd. The DHT subclass used here stops its own children on the way out, and the host kills what is
   left of the process tree.
@@ -19,21 +25,24 @@ hivemind facts this module relies on (hivemind 1.1.12):
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ipaddress
+import logging
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from hivemind.dht import DHT
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 
 __all__ = [
     "add_initial_peers_argument",
+    "bounded",
     "children_ignore_sigint",
     "ENV_INITIAL_PEERS",
     "EXAMPLE_MADDR",
@@ -55,6 +64,9 @@ ENV_INITIAL_PEERS = "P2P_DILOCO_INITIAL_PEERS"
 EXAMPLE_MADDR = "/ip4/1.2.3.4/tcp/31337/p2p/QmXyZ..."
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 _FLAG_TOKENS = {"--initial-peers", "--initial_peers"}
+
+log = logging.getLogger("p2p_diloco.dht")
+T = TypeVar("T")
 
 
 class SwarmSetupError(ValueError):
@@ -414,3 +426,37 @@ def wait_for_peers(dht: DHT, n: int, timeout: float, poll: float = 0.2) -> list[
             raise TimeoutError(f"this DHT node knows {len(peers)} other peers after {timeout:g} s; wanted {n}")
         dht.run_coroutine(_refresh)
         time.sleep(poll)
+
+
+# ----------------------------------------------------------------------------------------- deadlines
+
+_warned: set[str] = set()
+
+
+def bounded(call: Callable[[], Any], timeout: float, what: str, default: T) -> Any | T:
+    """``call()`` returns a DHT future (``return_future=True``); its result within ``timeout`` seconds, else
+    ``default``. A late future is cancelled (the lookup may go on inside the DHT process; its answer is dropped).
+
+    Never raises for DHT trouble: a timeout, a dead DHT process (a closed pipe) or an error set on the future is
+    "no answer". The first of each ``what`` (e.g. "reading the run's members") is a warning, later ones are logged
+    at debug level, so a DHT that is down for a while costs one line, not one per round.
+    """
+    future = None
+    try:
+        future = call()
+        return future.result(timeout=timeout)
+    except (TimeoutError, concurrent.futures.TimeoutError):  # distinct classes before Python 3.11
+        if future is not None:
+            future.cancel()
+        _warn_once(what, f"no answer from the DHT within {timeout:g} s (swarm.dht_timeout): treated as no answer")
+    except Exception as exc:  # noqa: BLE001 - a dead DHT pipe, an error inside the lookup: no answer
+        _warn_once(what, f"the DHT failed ({type(exc).__name__}: {exc}): treated as no answer")
+    return default
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what in _warned:
+        log.debug("%s: %s", what, message)
+        return
+    _warned.add(what)
+    log.warning("%s: %s (further ones are logged at debug level)", what, message)

@@ -7,6 +7,9 @@ Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint``
          ``first_state``: the worker holds its starting outer state (checkpoint, seed or the swarm's) when it
          returns; ``wait_for_start_peers``: holds round 1 until ``swarm.start_peers`` peers are up.
 State:   none beyond the DHT entries, which expire ``swarm.record_ttl`` after the last announcement.
+         Every DHT read and write here has a deadline (``swarm.dht_timeout``; dht.bounded): a lookup that never
+         answers (a stranger's unparseable value under the key, a dead DHT) reads as "no other peer" and a write
+         as not stored, with one warning per kind.
 Failure: SwarmSetupError when every other peer of the run has other settings (the message lists each field that
          differs), or when peers hold a trained state but none sent it within ``swarm.join_timeout``;
          CheckpointError for a checkpoint that cannot be resumed.
@@ -27,7 +30,7 @@ from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer
 from p2p_diloco.config import Config
 from p2p_diloco.engine import Worker
 from p2p_diloco.fingerprint import fingerprint_differences
-from p2p_diloco.swarm.dht import SwarmSetupError
+from p2p_diloco.swarm.dht import SwarmSetupError, bounded
 from p2p_diloco.swarm.sync import StateSync
 
 __all__ = ["Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
@@ -57,16 +60,32 @@ class Membership:
         self.dht, self.cfg, self.peer_id = dht, cfg, peer_id
         self.fingerprint, self.summary = fingerprint, summary
         self.key = f"{cfg.swarm.run_id}_fingerprint"
+        self.timeout = cfg.swarm.dht_timeout
 
-    def announce(self, round: int) -> None:
+    def announce(self, round: int) -> bool:
+        """Store (or refresh) our announcement; False when no DHT node took it within the deadline."""
         value = {"fingerprint": self.fingerprint, "summary": self.summary, "round": round}
-        self.dht.store(self.key, value, get_dht_time() + self.cfg.swarm.record_ttl, subkey=self.peer_id)
+        expires = get_dht_time() + self.cfg.swarm.record_ttl
+
+        def store() -> Any:
+            return self.dht.store(self.key, value, expires, subkey=self.peer_id, return_future=True)
+
+        return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
     def others(self) -> dict[str, dict]:
-        """Announcements of the other peers of this run, whatever their settings."""
-        found = self.dht.get(self.key, latest=True)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        return {k: v.value for k, v in entries.items() if k != self.peer_id and isinstance(v.value, dict)}
+        """Announcements of the other peers of this run, whatever their settings ({} when the DHT does not answer
+        within ``swarm.dht_timeout``)."""
+        found = bounded(
+            lambda: self.dht.get(self.key, latest=True, return_future=True),
+            self.timeout,
+            "reading the run's members from the DHT",
+            None,
+        )
+        value = getattr(found, "value", None)
+        entries = value if isinstance(value, dict) else {}
+        return {
+            k: v.value for k, v in entries.items() if k != self.peer_id and isinstance(getattr(v, "value", None), dict)
+        }
 
     def mates(self) -> list[dict]:
         """Announcements of the other peers that share our fingerprint (they can average with us)."""

@@ -8,12 +8,16 @@ State:   the Worker (model, inner AdamW, OuterState), the DHT node and the Pseud
          StateSync that guards the outer state, the Membership announcements and the Reporter.
 Failure: SwarmSetupError / SwarmUnreachableError / CheckpointError while joining (bad address, nobody answered,
          state not downloadable, settings that differ from the swarm's, a damaged checkpoint); after joining a
-         round that fails is dropped and the next one starts (engine.py, protocol.py say which and why).
+         round that fails is dropped and the next one starts (engine.py, protocol.py say which and why; guard.py
+         backs off, rolls back from a state whose loss stays non-finite, and after ``swarm.max_failed_rounds``
+         failed rounds in a row raises RoundsFailing: checkpoint first, exit 1). Any other error after joining:
+         checkpoint first, then it propagates. A state holding NaN/inf is never checkpointed.
 
 This module only orchestrates; each concern has its own:
   join.py      reach the run's members, compare fingerprints, the first outer state
   sync.py      the outer state: serve it, fetch and verify a donor's, adopt it, the outer step under the lock
   engine.py    the round itself (contribute -> averager.reduce -> protocol.decide -> settle), as in the simulator
+  guard.py     what a failed round leads to: discard, back off, roll back, give up
   averager.py  the all-reduce; report.py what each round tells the world
 """
 
@@ -23,28 +27,25 @@ import logging
 import time
 from pathlib import Path
 
-from p2p_diloco.checkpoint import save_round
+from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, save_round
 from p2p_diloco.config import Config, write_run_metadata
 from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.fingerprint import swarm_fingerprint
-from p2p_diloco.inner import NonFiniteLossError
-from p2p_diloco.outer import NonFiniteUpdateError
+from p2p_diloco.outer import OuterState
+from p2p_diloco.robust import max_round_tokens
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import initial_peers_line, shutdown_dht, start_dht, visible_maddrs
+from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
 from p2p_diloco.swarm.join import Membership, PeerOptions, first_state, wait_for_start_peers
 from p2p_diloco.swarm.protocol import RoundRules
 from p2p_diloco.swarm.records import make_record_validators
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.sync import StateSync
 
-__all__ = ["PeerOptions", "TrainingPeer"]
+__all__ = ["PeerOptions", "RoundsFailing", "StopRequested", "TrainingPeer"]
 
 log = logging.getLogger("p2p_diloco.peer")
-
-
-class StopRequested(Exception):
-    """SIGINT/SIGTERM arrived during the inner steps: the round is abandoned."""
 
 
 class TrainingPeer:
@@ -62,6 +63,7 @@ class TrainingPeer:
         self.sync: StateSync | None = None
         self.members: Membership | None = None
         self.reporter: Reporter | None = None
+        self.guard: RoundGuard | None = None
         self.peer_id = ""
         self.eval_sets = self.data.eval_sets()
 
@@ -87,13 +89,18 @@ class TrainingPeer:
         self.members.check()
         self.members.announce(worker.state.round)
         prefix = f"{s.run_id}_{fingerprint}"
-        self.averager = PseudoGradAverager.from_config(self.dht, worker.state.anchor, s, prefix=prefix)
+        self.averager = PseudoGradAverager.from_config(
+            self.dht, worker.state.anchor, s, prefix=prefix, max_tokens=max_round_tokens(cfg)
+        )
         self.sync = StateSync(worker, self.averager, fingerprint, s.state_timeout, lambda: bool(self.members.others()))
         first_state(worker, self.sync, self.members, cfg, self.opts)
         wait_for_start_peers(self.members, cfg, worker.state.round, self.opts.stop)
         self.averager.set_state_provider(self.sync.serve)
         self.averager.state_sharing_priority = float(worker.state.round)
         self.reporter = Reporter(cfg, self.log_dir, self.dht, self.peer_id, public_key)
+        self.guard = RoundGuard(
+            self.sync, s.rollback_after, s.max_failed_rounds, self.opts.stop.wait, fallback=self._checkpointed_state
+        )
         print(f"joined at round {worker.state.round} with checksum {worker.state.checksum()}", flush=True)
         write_run_metadata(
             self.log_dir,
@@ -115,7 +122,10 @@ class TrainingPeer:
         )
 
     def run_round(self) -> RoundResult | None:
-        """One round; None when it changed nothing here (stopped, non-finite, discarded or resynced)."""
+        """One round; None when it changed nothing here (stopped, failed, discarded or resynced). Raises
+        RoundsFailing after swarm.max_failed_rounds failed rounds in a row (guard.py)."""
+        if self.guard.pause():  # the backoff a failed round owes
+            return None
         worker, round = self.worker, self.worker.state.round + 1
         progress, close = self.reporter.progress(round, worker.device)
 
@@ -125,17 +135,17 @@ class TrainingPeer:
                 raise StopRequested
 
         try:
-            return worker.run_round(self.averager, self.rules, self.sync, on_step, self.eval_sets)
+            return self.guard.run(
+                round, lambda: worker.run_round(self.averager, self.rules, self.sync, on_step, self.eval_sets)
+            )
         except StopRequested:
-            return None
-        except (NonFiniteLossError, NonFiniteUpdateError) as exc:
-            log.error("round %d discarded: %s", round, exc)
             return None
         finally:
             close()
 
     def run(self) -> int:
-        """Train until train.rounds or a stop request; always leaves no process behind. Exit code 0."""
+        """Train until train.rounds or a stop request; always leaves no process behind. Exit code 0 (RoundsFailing
+        or another error after joining: checkpointed first, then raised)."""
         try:
             self.start()
             while self.worker.state.round < self.cfg.train.rounds and not self.opts.stop.is_set():
@@ -155,19 +165,51 @@ class TrainingPeer:
                 log.info("done; serving the final state to peers for %.0fs more", self.cfg.swarm.linger_seconds)
                 self.opts.stop.wait(self.cfg.swarm.linger_seconds)
             return 0
+        except RoundsFailing as exc:
+            saved = self._checkpoint()
+            where = f"the checkpoint {saved} holds round {self.worker.state.round}" if saved else "no checkpoint saved"
+            raise RoundsFailing(f"{exc} ({where})") from None
+        except Exception:
+            if self.guard is not None:  # joined: keep what was trained
+                log.error("unexpected error: checkpointing before exit")
+                try:
+                    self._checkpoint()
+                except Exception as exc:  # noqa: BLE001 - the original error is the one to report
+                    log.error("checkpoint before exit failed: %r", exc)
+            raise
         finally:
             self.close()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self) -> Path | None:
+        """Save the outer state and this worker's own state; None when there is nothing (worth) saving."""
         if self.worker is None or self.sync is None or self.worker.state.round == 0:
-            return
+            return None
         with self.sync.lock:
-            save_round(
+            state = self.worker.state
+            if not state.is_finite():
+                log.error("not checkpointing round %d: its outer state holds NaN or inf", state.round)
+                return None
+            return save_round(
                 self.log_dir / "checkpoints",
-                self.worker.state,
+                state,
                 {"peer_id": self.peer_id, "fingerprint": self.members.fingerprint, "config": self.cfg.to_dict()},
                 worker_state=self.worker.local_state(),
             )
+
+    def _checkpointed_state(self) -> OuterState | None:
+        """The outer state of this peer's last checkpoint, if it is one of this run's (the guard's fallback)."""
+        path = latest_checkpoint(self.log_dir / "checkpoints")
+        if path is None:
+            return None
+        try:
+            state, meta = load_outer_state(path)
+        except CheckpointError as exc:
+            log.warning("cannot roll back to the last checkpoint: %s", exc)
+            return None
+        if meta.get("fingerprint") != self.members.fingerprint:
+            log.warning("cannot roll back to %s: it was written with other settings", path)
+            return None
+        return state
 
     def close(self) -> None:
         if self.averager is not None:

@@ -25,12 +25,14 @@ payloads, so every member of a group reaches the same view of who counts. Its ta
                                                                                   state, apply the same Δ̄
   complete    further behind, ahead, diverged, or one        resync      no        discard the round, download
               behind with max_staleness 0                                         the outer state
+  complete    no majority: the most common tags tie          as incomplete: local_step or discard, and nobody's
+                                                                          Δ counts in the group's mean
   incomplete  alone, no group, or a failed all-reduce        local_step  own Δ     alone_policy local: outer step
                                                                                   with the own Δ, then take a
                                                                                   peer's state that got further
   incomplete  (the same)                                     discard     -         alone_policy wait
-The majority tag is the one most valid payloads carry; a tie goes to the larger (round, checksum), a rule every
-member applies alike.
+The majority tag is the one most valid payloads carry. A tie is no majority: otherwise one peer claiming a
+far-ahead round would win every group of two (threat-model.md), so a tied group's mean is not applied by anyone.
 """
 
 from __future__ import annotations
@@ -166,21 +168,28 @@ class Decision:
 
 
 def majority_tag(gathered: Gathered) -> RoundTag | None:
-    """The tag most valid payloads carry (ties: the largest); None when there is no valid payload."""
-    votes = Counter(p.tag for p in gathered.payloads.values())
-    if not votes:
+    """The tag more valid payloads carry than any other; None when there is none (no valid payload, or a tie)."""
+    ranked = Counter(p.tag for p in gathered.payloads.values()).most_common(2)
+    if not ranked or (len(ranked) == 2 and ranked[0][1] == ranked[1][1]):
         return None
-    return max(votes, key=lambda tag: (votes[tag], tag))
+    return ranked[0][0]
+
+
+def _alone(why: str, rules: RoundRules, counts: bool) -> Decision:
+    """No group result to use: what ``alone_policy`` says."""
+    if rules.alone_policy == "wait":
+        return Decision(Action.DISCARD, f"{why}; alone_policy=wait discards the round", False)
+    return Decision(Action.LOCAL_STEP, f"{why}; taking a local outer step with the own Δ", counts)
 
 
 def decide(mine: RoundTag, gathered: Gathered, complete: bool, rules: RoundRules) -> Decision:
     """The one decision of a round for the peer holding ``mine``; see the module docstring for the table."""
     dropped = f"; {gathered.malformed} malformed payload(s) dropped" if gathered.malformed else ""
     if not complete:
-        if rules.alone_policy == "wait":
-            return Decision(Action.DISCARD, "no complete all-reduce; alone_policy=wait discards the round", False)
-        return Decision(Action.LOCAL_STEP, "no complete all-reduce; taking a local outer step with the own Δ", True)
-    top = majority_tag(gathered) or mine
+        return _alone("no complete all-reduce", rules, True)
+    top = majority_tag(gathered) if gathered.payloads else mine
+    if top is None:
+        return _alone(f"the group's tags tie, so there is no majority{dropped}", rules, False)
     odd = sum(1 for p in gathered.payloads.values() if p.tag != top)
     if mine == top:
         note = f"; {odd} member(s) out of sync catch up or resync" if odd else ""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -143,15 +144,23 @@ class Reading:
     seconds: float
 
 
-def read_swarm(dht: DHT, run_id: str, timeout: float, rejects: RejectCounter | None = None) -> Reading:
-    """One lookup of the run's key (``latest=True``: asks the network, not a cache). Raises TimeoutError."""
+def read_swarm(
+    dht: DHT, run_id: str, timeout: float, rejects: RejectCounter | None = None, stop: threading.Event | None = None
+) -> Reading:
+    """One lookup of the run's key (``latest=True``: asks the network, not a cache). Raises TimeoutError after
+    ``timeout`` seconds, or as soon as ``stop`` is set (a monitor asked to exit does not wait for a slow lookup)."""
     started = time.monotonic()
     future = dht.get(metrics_key(run_id), latest=True, return_future=True)
-    try:
-        found = future.result(timeout=timeout)
-    except TimeoutError:
-        future.cancel()
-        raise TimeoutError(f"reading {metrics_key(run_id)!r} from the DHT took over {timeout:g} s") from None
+    deadline = started + timeout
+    while True:
+        try:
+            found = future.result(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            break
+        except TimeoutError:
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                future.cancel()
+                why = "stopped" if stop is not None and stop.is_set() else f"took over {timeout:g} s"
+                raise TimeoutError(f"reading {metrics_key(run_id)!r} from the DHT {why}") from None
     records, expirations, owners, unparsed = parse_entries(found.value) if found is not None else ({}, {}, {}, [])
     refused = rejects.drain() if rejects is not None else []
     bad = refused + [("parse", d) for d in unparsed]

@@ -32,7 +32,7 @@ Facts worth knowing (hivemind 1.1.12, measured or read in its source):
 
 from __future__ import annotations
 
-import logging
+import concurrent.futures
 import math
 from typing import Any
 
@@ -44,6 +44,8 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2p_diloco.swarm.dht import bounded
+
 __all__ = [
     "PeerRecord",
     "metrics_key",
@@ -52,8 +54,6 @@ __all__ = [
     "read_records",
     "parse_records",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 class PeerRecord(pydantic.BaseModel):
@@ -126,23 +126,21 @@ def make_record_validators(run_id: str, private_key: RSAPrivateKey | None = None
     return [SchemaValidator(_MetricsSchema, allow_extra_keys=True, prefix=run_id), signer], signer.local_public_key
 
 
-def publish_record(dht: DHT, run_id: str, record: PeerRecord, ttl: float, public_key: bytes) -> bool:
-    """Store ``record`` under this peer's subkey for ``ttl`` seconds; True if at least one node took it.
+def publish_record(
+    dht: DHT, run_id: str, record: PeerRecord, ttl: float, public_key: bytes, timeout: float = 10.0
+) -> bool:
+    """Store ``record`` under this peer's subkey for ``ttl`` seconds; True if at least one node took it within
+    ``timeout`` seconds.
 
-    Never raises for DHT trouble (metrics must not stop training): logs a warning and returns False.
+    Never raises for DHT trouble (metrics must not stop training): a dead DHT pipe, an error or no answer in time
+    is a warning (the first of its kind; dht.bounded) and False.
     """
-    try:
-        return bool(
-            dht.store(
-                metrics_key(run_id),
-                record.model_dump(),
-                expiration_time=get_dht_time() + ttl,
-                subkey=public_key,
-            )
-        )
-    except Exception as exc:  # noqa: BLE001 - a dead DHT pipe, a timeout: report, keep training
-        logger.warning(f"could not publish the round record for step {record.outer_step}: {exc!r}")
-        return False
+
+    def store() -> Any:
+        expires = get_dht_time() + ttl
+        return dht.store(metrics_key(run_id), record.model_dump(), expires, subkey=public_key, return_future=True)
+
+    return bool(bounded(store, timeout, "publishing the round record", False))
 
 
 def read_records(
@@ -159,7 +157,7 @@ def read_records(
     future = dht.get(metrics_key(run_id), latest=True, return_future=True)
     try:
         found = future.result(timeout=timeout)
-    except TimeoutError:
+    except (TimeoutError, concurrent.futures.TimeoutError):  # distinct classes before Python 3.11
         future.cancel()
         raise TimeoutError(
             f"reading {metrics_key(run_id)!r} from the DHT took over {timeout:g} s "

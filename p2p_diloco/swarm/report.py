@@ -6,7 +6,8 @@ Output:  one JSON line per round in LOG_DIR/metrics.jsonl (``RoundResult.record(
          ``{run_id}_metrics`` (records.py); one console line per round on stdout; inner-step progress (a tqdm bar
          on a terminal, else a log line every ``logging.log_every`` steps).
 State:   the tokens this peer has trained on since it started (``total_tokens``).
-Failure: a DHT that cannot take the record is logged by ``publish_record``; nothing here stops training.
+Failure: a DHT that cannot take the record within ``swarm.dht_timeout`` is logged by ``publish_record`` (once);
+         nothing here stops training.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Reporter:
             self._peer_record(result, record),
             self.cfg.swarm.record_ttl,
             self.public_key,
+            timeout=self.cfg.swarm.dht_timeout,
         )
         r = result.reduce
         evl = f"  eval {record['eval_loss']:.4f}" if record.get("eval_loss") is not None else ""

@@ -5,9 +5,16 @@ Inputs:  the Worker whose OuterState this guards, the averager (hivemind's state
          ``swarm.state_timeout``, and a callable that says whether other peers of the run are about.
 Output:  ``serve`` (the snapshot other peers download), ``fetch(accept)`` (the one fetch-and-verify path every
          download takes), and what the peer does with it: ``download`` (join, resume), ``catch_up`` and ``resync``
-         (after a round, see protocol.py); ``apply_outer`` (the round's outer step, under the lock).
+         (after a round, see protocol.py); ``apply_outer`` (the round's outer step, under the lock). For rounds
+         that fail (guard.py): ``begin_round``, ``round_ran``, ``discard_round`` and ``last_good``.
 State:   the lock that guards the worker's outer state against hivemind's state-serving thread; ``consensus``:
-         whether that state came out of a complete group (or the seed, a checkpoint, a download).
+         whether that state came out of a complete group (or the seed, a checkpoint, a download); ``version``,
+         bumped by every change made here; two CPU copies at most: the state the current round started from,
+         and ``last_good``, the last state from which a round's inner steps ran with a finite loss. The first is
+         copied at the start of a round whose state changed since the last copy (once per applied round:
+         anchor + momentum in fp32, 8 bytes per parameter, ~5 MB for tiny.yaml, ~150 MB for small.yaml); the
+         second is that copy, kept by reference. For a model of 150M parameters and more, the copy (1.2 GB, and
+         2.4 GB of host memory for both) is worth weighing.
 Failure: nothing a donor sends raises here: an offer with another fingerprint, another tensor count or shapes,
          a bad round or a checksum that does not match its tensors is logged and refused (None / False).
          The checksum is the donor's own claim about its bytes, so it catches transfer errors, not a lying
@@ -55,6 +62,9 @@ class StateSync:
         self.peers_present = peers_present
         self.lock = threading.Lock()
         self.consensus = True  # the seed, a checkpoint or a download: nothing local-only yet
+        self.version = 0  # bumped by every change of the outer state made here
+        self._start: tuple[int, OuterState, bool] | None = None  # (version, copy, consensus) at the round's start
+        self._good: tuple[OuterState, bool] | None = None  # the last state a round's inner steps ran from, finite
 
     # ---------------------------------------------------------------- serving
     def serve(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -107,6 +117,7 @@ class StateSync:
         with self.lock:
             self.worker.load_state(offer.state)
             self.consensus = offer.consensus
+            self.version += 1
         self.averager.state_sharing_priority = float(offer.state.round)
         log.info("%s: took the outer state at %s", why, offer.tag)
 
@@ -115,6 +126,7 @@ class StateSync:
         with self.lock:
             lr = self.worker.apply_outer(averaged)
             self.consensus = consensus
+            self.version += 1
         self.averager.state_sharing_priority = float(self.worker.state.round)
         return lr
 
@@ -138,6 +150,7 @@ class StateSync:
         if offer.tag == group:
             with self.lock:
                 self.worker.load_state(offer.state)
+                self.version += 1
                 self.worker.apply_outer(averaged)
                 self.consensus = True
             self.averager.state_sharing_priority = float(self.worker.state.round)
@@ -163,3 +176,38 @@ class StateSync:
             self.adopt(offer, "resync after a local step")
             return True
         return False
+
+    # ---------------------------------------------------------------- rounds that fail (guard.py)
+    def begin_round(self) -> int:
+        """Before a round: keep a copy of the state it starts from (copied only when the state changed since the
+        last copy). Returns ``version``, which names that state."""
+        with self.lock:
+            if self._start is None or self._start[0] != self.version:
+                state = self.worker.state
+                self._start = (self.version, _copy(state), self.consensus)
+            return self.version
+
+    def round_ran(self) -> None:
+        """The round's inner steps ran with a finite loss: the state it started from becomes ``last_good``."""
+        with self.lock:
+            if self._start is not None:
+                self._good = self._start[1], self._start[2]
+
+    def discard_round(self) -> None:
+        """A round failed unexpectedly: θ ← anchor, and if nothing here changed the state since ``begin_round``,
+        the anchor and momentum are put back as they were then (an outer step cut short leaves them half done)."""
+        with self.lock:
+            if self._start is not None and self._start[0] == self.version:
+                self.worker.load_state(_copy(self._start[1]))
+                self.consensus = self._start[2]
+            else:
+                self.worker.state.copy_to(self.worker.model.parameters())
+
+    def last_good(self) -> Offer | None:
+        """A copy of the last state from which a round's inner steps ran with a finite loss (None before one did)."""
+        with self.lock:
+            return None if self._good is None else Offer(_copy(self._good[0]), self._good[1])
+
+
+def _copy(state: OuterState) -> OuterState:
+    return OuterState.from_tensors(state.tensors(), state.round)

@@ -8,9 +8,10 @@ For each number of peers n, n worker processes start on 127.0.0.1 (this file wit
 a hivemind DHT, one ``PseudoGradAverager`` per size (the class run_peer uses, configured like run_peer:
 no compression, 2 MiB parts, ``target_group_size = min_group_size = n`` so a group forms when full) and a
 gloo process group over the same n processes. Per size and repeat, every worker:
-  A. gloo barrier, then ``averager.reduce([Δ], weight=1)`` (matchmaking + butterfly all-reduce + the
-     completeness vote); the wall time of the call, and its phases as ReduceInfo reports them: input checks
-     (``check_seconds``), copies into the shared buffers and of the result out (``copy_seconds``),
+  A. gloo barrier, then ``averager.reduce([Δ], weight=1, payload)`` (its payload declares that weight;
+     matchmaking + butterfly all-reduce + the completeness vote); the wall time of the call, and its phases
+     as ReduceInfo reports them: input checks (``check_seconds``), copies into the shared buffers and of the
+     result out (``copy_seconds``),
      ``matchmaking_seconds``, ``allreduce_seconds``; the wall time not in any of them is kept as ``unaccounted``;
   B. gloo barrier, then ``dist.all_reduce`` of the same fp32 tensor (the reference), and checks that
      gloo's mean equals hivemind's (max abs difference recorded).
@@ -87,6 +88,7 @@ def worker(cfg: dict[str, Any]) -> None:
     from p2p_diloco.engine import fp32_bytes_sent
     from p2p_diloco.swarm.averager import PseudoGradAverager
     from p2p_diloco.swarm.dht import wait_for_peers
+    from p2p_diloco.swarm.protocol import GatherPayload, RoundTag
 
     rank, world, sizes = cfg["rank"], cfg["world"], cfg["sizes"]
     dht = DHT(initial_peers=cfg.get("initial_peers") or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -121,7 +123,7 @@ def worker(cfg: dict[str, Any]) -> None:
             tcp0 = _tcp_sent(p2pd)
             dist.barrier()
             t0 = time.perf_counter()
-            averaged, info = averager.reduce([grads[size]], 1.0)
+            averaged, info = averager.reduce([grads[size]], 1.0, GatherPayload(RoundTag(rep, "bench"), 1))
             hm_wall = time.perf_counter() - t0
             dist.barrier()  # every peer's sends are done before the TCP counters are read
             time.sleep(0.2)

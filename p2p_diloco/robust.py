@@ -1,0 +1,248 @@
+"""Robust aggregation of pseudo-gradient parts at a reducer, and the rule for a sender's trusted weight (pure torch).
+
+Inputs:  ``aggregate``: one part per sender (fp32 tensors of one shape: in the swarm a slice of ~part_size_bytes / 4
+         values of the flattened Δ, in the simulator the same slices of ``aggregate_flat``), one weight per sender
+         (>= 0; 0, negative or non-finite: excluded), a rule (``RULES``) and its clip factor (> 0).
+         ``trusted_weight``: the weight a sender put on the wire, the tokens it declared in its gather payload and
+         the most tokens one round can hold for this config (``max_round_tokens``).
+Output:  the aggregated part (fp32, same shape, a new tensor). Rules:
+         ``mean``           Σ w_i·x_i / Σ w_i, accumulated in sender order exactly as ``outer.weighted_mean`` does
+                            (acc += x_i · (w_i / Σ w)); the clip factor is ignored. Nothing is bounded.
+         ``median_filter``  a sender whose part norm exceeds ``clip`` x the median of the included senders' part
+                            norms counts 0 for that part; the weighted mean of the rest (bitwise the ``mean``
+                            arithmetic over them). Every kept part is within the bound, so no sender moves the result
+                            by more than w_i / Σ w x ``clip`` x the median norm, and a grossly scaled part (-1000 x Δ)
+                            costs only its own tokens instead of a clipped pull against the honest direction.
+         ``median_clip``    each sender's part is scaled down to at most ``clip`` x the median of the included senders'
+                            part norms, then the weighted mean (unclipped senders: bitwise the ``mean`` arithmetic).
+         ``centered_clip``  CenteredClip (Karimireddy et al. 2021; hivemind's CenteredClipAccumulator, BTARD):
+                            v0 = the coordinate-wise median of the included parts, τ = ``clip`` x the median of
+                            ||x_i − v0||, then ``CENTERED_CLIP_ITERS`` fixed iterations
+                            v ← v + Σ w_i·clip(x_i − v, τ) / Σ w_i with clip(z, τ) = z·min(1, τ/||z||); in fp64.
+         Medians of norms are the *lower* median (index (m − 1) // 2 of m sorted values): large values are what an
+         attacker can push without limit, and the lower median stays an honest value while at most m // 2 of m
+         senders are hostile (the upper median only while fewer than m / 2 are: not 1 of 2, not 2 of 4). The
+         coordinate-wise median v0 is the usual midpoint median and counts senders, not weights: weights are capped
+         by ``trusted_weight`` anyway, and with 2 senders of unequal weight a weighted median sits on the heavier
+         one, which makes τ = 0 and drops the other sender entirely.
+         ``trusted_weight`` returns the declared tokens when the wire weight equals them and 0 < tokens <= the round's
+         maximum, else 0.0 (the sender is excluded from every part).
+         The default (config.py: ``swarm.aggregation`` median_filter, ``swarm.aggregation_clip`` 2) and the
+         measurements that chose it: docs/robust_aggregation.md.
+State:   none; pass an ``AggregateStats`` to count exclusions and clipping across calls.
+Failure: a part with NaN or inf is excluded (weight 0) and counted in ``stats.excluded_nonfinite``, never propagated;
+         a part with no included sender at all comes back as zeros (``stats.empty_parts``): the reducer must answer
+         every member, and a zero part moves nothing (median_filter with clip < 1 can get there: config.py refuses
+         it). ValueError for caller errors only (no parts, mismatched
+         lengths or shapes, unknown rule, clip <= 0 for a clipping rule).
+Determinism: the same inputs in the same order give bitwise the same output on one machine (norms are summed in
+         fp64 and every accumulation runs in sender order). Only one reducer computes each part and every member
+         takes its result, so nothing needs to agree across machines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CENTERED_CLIP_ITERS",
+    "RULES",
+    "AggregateStats",
+    "aggregate",
+    "aggregate_flat",
+    "max_round_tokens",
+    "trusted_weight",
+]
+
+RULES = ("mean", "median_filter", "median_clip", "centered_clip")
+CENTERED_CLIP_ITERS = 5  # with one clipped sender of m the error shrinks by ~1/m per iteration: 5 are plenty
+
+
+@dataclass
+class AggregateStats:
+    """Counts over ``aggregate`` calls: ``parts`` aggregated; sender-parts excluded for their weight, for non-finite
+    values or (median_filter) for a norm over the bound; sender-parts clipped (median_clip: scaled down;
+    centered_clip: clipped in the last iteration); parts that had no included sender (returned as zeros);
+    ``max_ratio``, the largest part norm over the median norm (median_*) or distance to v0 over the median distance
+    (centered_clip) seen: how close the senders came to the clip factor (clean runs: the headroom it leaves)."""
+
+    parts: int = 0
+    excluded_weight: int = 0
+    excluded_nonfinite: int = 0
+    excluded_outlier: int = 0
+    clipped: int = 0
+    empty_parts: int = 0
+    max_ratio: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+    def saw(self, values: Sequence[float], median: float) -> None:
+        top = max(values)
+        ratio = top / median if median > 0 else (0.0 if top == 0 else math.inf)
+        self.max_ratio = max(self.max_ratio, ratio)
+
+
+def max_round_tokens(cfg) -> int:  # cfg: p2p_diloco.config.Config (not imported: this module stays dependency-free)
+    """The most tokens one round's Δ can be trained on: H steps x grad_accum batches x B x T."""
+    return cfg.inner.steps * cfg.inner.grad_accum * cfg.data.batch_size * cfg.data.seq_len
+
+
+def trusted_weight(wire_weight: float, declared_tokens: int, max_tokens: int) -> float:
+    """The weight a reducer may use for a sender: its declared tokens if the wire weight equals them and
+    0 < tokens <= ``max_tokens``; anything else (a weight that disagrees with the declaration, a declaration no round
+    can hold, NaN) counts 0.0."""
+    try:
+        ok = (
+            math.isfinite(wire_weight)
+            and float(wire_weight) == float(declared_tokens)
+            and 0 < declared_tokens <= max_tokens
+        )
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return float(declared_tokens) if ok else 0.0
+
+
+def _lower_median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _norm(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64))
+
+
+def _mean(parts: list[torch.Tensor], weights: list[float], total: float, scales: list[float]) -> torch.Tensor:
+    acc = torch.zeros_like(parts[0])
+    for x, w, s in zip(parts, weights, scales, strict=True):
+        acc.add_(x, alpha=w / total if s == 1.0 else w / total * s)
+    return acc
+
+
+def _centered_clip(
+    parts: list[torch.Tensor], weights: list[float], total: float, clip: float, stats: AggregateStats | None
+) -> torch.Tensor:
+    xs = torch.stack(parts).to(torch.float64)  # fp64: x_i − v cannot overflow for any finite fp32 input
+    m = xs.shape[0]
+    ordered = xs.sort(dim=0).values
+    v = ordered[(m - 1) // 2] * 0.5 + ordered[m // 2] * 0.5
+    del ordered
+    dists = [float(torch.linalg.vector_norm(x - v)) for x in xs]
+    median = _lower_median(dists)
+    tau = clip * median
+    if stats is not None:
+        stats.saw(dists, median)
+    clipped = 0
+    for _ in range(CENTERED_CLIP_ITERS):
+        step = torch.zeros_like(v)
+        clipped = 0
+        for x, w in zip(xs, weights, strict=True):
+            z = x - v
+            nz = float(torch.linalg.vector_norm(z))
+            scale = 1.0 if nz <= tau else tau / nz
+            clipped += scale < 1.0
+            step.add_(z, alpha=w / total * scale)
+        v.add_(step)
+    if stats is not None:
+        stats.clipped += clipped
+    return v.to(torch.float32)
+
+
+def aggregate(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    rule: str,
+    clip: float,
+    stats: AggregateStats | None = None,
+) -> torch.Tensor:
+    """The robust weighted mean of one part from each sender (module doc); fp32, same shape, a new tensor."""
+    if rule not in RULES:
+        raise ValueError(f"aggregation rule {rule!r} is unknown: must be one of {', '.join(RULES)}")
+    if rule != "mean" and not (clip > 0 and math.isfinite(clip)):
+        raise ValueError(f"aggregation clip {clip!r} is invalid: must be a finite number > 0")
+    if not parts or len(parts) != len(weights):
+        raise ValueError(f"need one weight per part and at least one part, got {len(parts)} parts, {len(weights)}")
+    shape = parts[0].shape
+    if any(p.shape != shape for p in parts):
+        raise ValueError(f"parts differ in shape: {sorted({tuple(p.shape) for p in parts})}")
+    kept: list[torch.Tensor] = []
+    kept_w: list[float] = []
+    for x, w in zip(parts, weights, strict=True):
+        w = float(w)
+        if not (w > 0 and math.isfinite(w)):
+            if stats is not None:
+                stats.excluded_weight += 1
+            continue
+        x = x.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(x).all()):
+            if stats is not None:
+                stats.excluded_nonfinite += 1
+            continue
+        kept.append(x)
+        kept_w.append(w)
+    if stats is not None:
+        stats.parts += 1
+    if not kept:
+        if stats is not None:
+            stats.empty_parts += 1
+        return torch.zeros(shape, dtype=torch.float32)
+    total = float(sum(kept_w))
+    if rule == "mean":
+        return _mean(kept, kept_w, total, [1.0] * len(kept))
+    if rule == "median_filter":
+        norms = [_norm(x) for x in kept]
+        median = _lower_median(norms)
+        bound = clip * median
+        inside = [k for k, n in enumerate(norms) if n <= bound]  # clip >= 1: never empty (the median is inside)
+        if stats is not None:
+            stats.saw(norms, median)
+            stats.excluded_outlier += len(kept) - len(inside)
+            stats.empty_parts += not inside
+        if not inside:
+            return torch.zeros(shape, dtype=torch.float32)
+        kept, kept_w = [kept[k] for k in inside], [kept_w[k] for k in inside]
+        return _mean(kept, kept_w, float(sum(kept_w)), [1.0] * len(kept))
+    if rule == "median_clip":
+        norms = [_norm(x) for x in kept]
+        median = _lower_median(norms)
+        bound = clip * median
+        scales = [1.0 if n <= bound else bound / n for n in norms]
+        if stats is not None:
+            stats.saw(norms, median)
+            stats.clipped += sum(s < 1.0 for s in scales)
+        return _mean(kept, kept_w, total, scales)
+    return _centered_clip(kept, kept_w, total, clip, stats)
+
+
+def aggregate_flat(
+    vectors: list[list[torch.Tensor]],
+    weights: Sequence[float],
+    rule: str,
+    clip: float,
+    part_values: int,
+    stats: AggregateStats | None = None,
+) -> list[torch.Tensor]:
+    """Each sender's tensors flattened and concatenated, cut into consecutive parts of ``part_values`` values,
+    ``aggregate`` per part, reshaped back to the first sender's shapes (fp32). The simulator's stand-in for the
+    swarm's reducers: their parts are cut per reducer span, so the boundaries (and clipping) differ slightly."""
+    if part_values < 1:
+        raise ValueError(f"part_values {part_values} is invalid: must be >= 1")
+    if not vectors:
+        raise ValueError("need at least one sender")
+    shapes = [t.shape for t in vectors[0]]
+    if not shapes:
+        return []
+    for k, v in enumerate(vectors):
+        if [t.shape for t in v] != shapes:
+            raise ValueError(f"sender {k} holds tensors of shapes {[list(t.shape) for t in v]}, sender 0 {shapes}")
+    flats = [torch.cat([t.detach().to("cpu", torch.float32).reshape(-1) for t in v]) for v in vectors]
+    total = flats[0].numel()
+    out = torch.empty(total, dtype=torch.float32)
+    for start in range(0, total, part_values):
+        end = min(start + part_values, total)
+        out[start:end] = aggregate([f[start:end] for f in flats], weights, rule, clip, stats)
+    return [piece.view(shape) for piece, shape in zip(out.split([math.prod(s) for s in shapes]), shapes, strict=True)]

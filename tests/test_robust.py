@@ -1,0 +1,178 @@
+"""Robust aggregation (p2p_diloco/robust.py): the plain mean is the reference mean, hostile parts are bounded,
+non-finite parts never propagate, the weight rule, determinism, and the flat round trip the simulator uses."""
+
+import math
+
+import pytest
+import torch
+
+from p2p_diloco.config import ConfigError, load_config
+from p2p_diloco.outer import weighted_mean
+from p2p_diloco.robust import RULES, AggregateStats, aggregate, aggregate_flat, max_round_tokens, trusted_weight
+from p2p_diloco.simulate import simulate
+
+ROBUST = [r for r in RULES if r != "mean"]
+SHAPES = [(7, 5), (3,), (4, 2, 3), (1,)]
+
+
+def _senders(n=4, shapes=SHAPES, seed=0, spread=0.3):
+    """n Δ that share a common direction plus per-sender noise, like honest workers' pseudo-gradients."""
+    g = torch.Generator().manual_seed(seed)
+    common = [torch.randn(s, generator=g) for s in shapes]
+    return [[c + spread * torch.randn(c.shape, generator=g) for c in common] for _ in range(n)]
+
+
+def _flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+@pytest.mark.parametrize("part_values", [1, 5, 13, 1000])
+def test_mean_rule_is_bitwise_the_reference_weighted_mean(part_values):
+    vectors = _senders()
+    weights = [100.0, 300.0, 250.0, 7.0]
+    expected = weighted_mean(vectors, weights)
+    got = aggregate_flat(vectors, weights, "mean", 1.0, part_values)
+    assert [t.shape for t in got] == [t.shape for t in expected]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+@pytest.mark.parametrize("clip", [1.0, 2.0])
+def test_a_minus_1000x_sender_among_four_is_bounded(rule, clip):
+    honest = [_flat(v) for v in _senders()]
+    attacker = -1000.0 * honest[0]
+    parts = [attacker, *honest[1:]]
+    w = [1.0] * 4
+    stats = AggregateStats()
+    got = aggregate(parts, w, rule, clip, stats)
+    honest_mean = sum(honest[1:]) / 3
+    norms = sorted(float(p.norm()) for p in parts)
+    median_norm = norms[1]  # the lower median of 4
+    if rule == "median_filter":
+        # parts over clip x the median norm (the attacker's, by far) count 0: the mean of the others
+        inside = [p for p in parts if float(p.norm()) <= clip * median_norm]
+        assert len(inside) <= 3 and not any(p is attacker for p in inside)
+        assert torch.equal(got, aggregate(inside, [1.0] * len(inside), "mean", clip))
+        assert stats.excluded_outlier == 4 - len(inside)
+        if clip == 2.0:  # honest norms are within 10% of each other
+            assert len(inside) == 3
+    elif rule == "median_clip":
+        # exactly: every part scaled to at most clip x the median norm, then the mean; the attacker's share of the
+        # result is at most clip x median norm / 4
+        bound = clip * median_norm
+        scaled = [p * min(1.0, bound / float(p.norm())) for p in parts]
+        assert torch.allclose(got, sum(scaled) / 4, atol=1e-5)
+        assert float((got - sum(scaled[1:]) / 4).norm()) <= bound / 4 * (1 + 1e-5)
+    else:
+        # the attacker moves the result at most ~ τ / 3 (τ = clip x the median distance to v0) off the honest mean
+        v0 = torch.stack(parts).sort(dim=0).values[1:3].mean(dim=0)
+        tau = clip * sorted(float((p - v0).norm()) for p in parts)[1]
+        assert float((got - honest_mean).norm()) <= tau / 2
+        assert stats.clipped >= 1
+    plain = aggregate(parts, w, "mean", clip)
+    assert float((plain - honest_mean).norm()) > 100 * float((got - honest_mean).norm())
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_non_finite_parts_are_excluded_and_counted(rule):
+    parts = [_flat(v) for v in _senders(3)]
+    bad = parts[1].clone()
+    bad[3] = float("nan")
+    worse = parts[2].clone()
+    worse[0] = float("inf")
+    stats = AggregateStats()
+    got = aggregate([parts[0], bad, worse, parts[1]], [1.0, 1.0, 1.0, 1.0], rule, 2.0, stats)
+    assert torch.isfinite(got).all()
+    assert stats.excluded_nonfinite == 2 and stats.parts == 1
+    assert torch.allclose(got, (parts[0] + parts[1]) / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_zero_bad_weights_exclude_and_no_sender_gives_zeros(rule):
+    parts = [_flat(v) for v in _senders(3)]
+    stats = AggregateStats()
+    got = aggregate(parts, [0.0, float("nan"), 5.0], rule, 1.0, stats)
+    assert torch.allclose(got, parts[2]) and stats.excluded_weight == 2
+    empty = aggregate(parts, [0.0, -1.0, 0.0], rule, 1.0, stats)
+    assert torch.equal(empty, torch.zeros_like(parts[0])) and stats.empty_parts == 1
+
+
+def test_weight_rule():
+    cap = 12800
+    assert trusted_weight(12800.0, 12800, cap) == 12800.0
+    assert trusted_weight(100.0, 100, cap) == 100.0
+    assert trusted_weight(1e6 * 12800, 12800, cap) == 0.0  # weight != declared tokens
+    assert trusted_weight(12801.0, 12801, cap) == 0.0  # more than one round can hold
+    assert trusted_weight(0.0, 0, cap) == 0.0
+    assert trusted_weight(-5.0, -5, cap) == 0.0
+    assert trusted_weight(float("nan"), 100, cap) == 0.0
+    assert trusted_weight(float("inf"), 100, cap) == 0.0
+    cfg = load_config("configs/tiny.yaml")
+    assert max_round_tokens(cfg) == 25 * 1 * 8 * 64
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_deterministic(rule):
+    parts = [_flat(v) for v in _senders(5, seed=3, spread=2.0)]
+    parts[4] = parts[4] * -1000
+    w = [3.0, 1.0, 2.0, 5.0, 4.0]
+    a = aggregate(parts, w, rule, 1.0)
+    b = aggregate([p.clone() for p in parts], list(w), rule, 1.0)
+    assert torch.equal(a, b) and a.dtype == torch.float32
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+def test_robust_rules_leave_a_clean_group_near_the_mean(rule):
+    vectors = _senders(4, spread=0.1)
+    w = [1.0, 2.0, 3.0, 4.0]
+    got = aggregate_flat(vectors, w, rule, 4.0, 11)  # a large clip: nobody is clipped
+    ref = weighted_mean(vectors, w)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, ref))
+    same = aggregate_flat([vectors[0]] * 3, [1.0] * 3, rule, 1.0, 11)  # identical senders: their Δ
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(same, vectors[0]))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_aggregate_flat_round_trip_and_two_senders(rule):
+    vectors = _senders(2)
+    assert [t.shape for t in aggregate_flat(vectors, [10.0, 30.0], rule, 2.0, 4)] == [torch.Size(s) for s in SHAPES]
+    got = aggregate_flat(vectors, [10.0, 30.0], rule, 2.0, 1000)
+    # two senders of unequal weight: v0 is their midpoint (a count median), so neither is dropped, and with clip 2
+    # neither is clipped: the weighted mean
+    assert all(torch.allclose(a, (x + 3 * y) / 4, atol=1e-5) for a, x, y in zip(got, *vectors))
+    assert sum(t.numel() for t in got) == sum(math.prod(s) for s in SHAPES)
+
+
+def test_caller_errors():
+    parts = [torch.zeros(3), torch.zeros(3)]
+    with pytest.raises(ValueError, match="unknown"):
+        aggregate(parts, [1.0, 1.0], "trimmed", 1.0)
+    with pytest.raises(ValueError, match="clip"):
+        aggregate(parts, [1.0, 1.0], "centered_clip", 0.0)
+    with pytest.raises(ValueError, match="shape"):
+        aggregate([torch.zeros(3), torch.zeros(4)], [1.0, 1.0], "mean", 1.0)
+    with pytest.raises(ValueError, match="one weight per part"):
+        aggregate(parts, [1.0], "mean", 1.0)
+
+
+def test_config_and_simulator_options_are_checked(tmp_path):
+    cfg = load_config("configs/tiny.yaml", ["swarm.aggregation=median_clip", "swarm.aggregation_clip=2"])
+    assert cfg.swarm.aggregation == "median_clip" and cfg.swarm.aggregation_clip == 2.0
+    with pytest.raises(ConfigError, match="swarm.aggregation="):
+        load_config("configs/tiny.yaml", ["swarm.aggregation=trimmed"])
+    with pytest.raises(ConfigError, match="swarm.aggregation_clip"):
+        load_config("configs/tiny.yaml", ["swarm.aggregation_clip=0"])
+    with pytest.raises(ConfigError, match="--attack"):
+        simulate(cfg, "sync", 2, tmp_path, attack="negate")
+    with pytest.raises(ConfigError, match="--attack"):
+        simulate(cfg, "diloco", 2, tmp_path, attack="flood")
+
+
+def test_stats_record_the_headroom_of_a_clean_group():
+    parts = [_flat(v) for v in _senders(4, spread=0.1)]
+    stats = AggregateStats()
+    got = aggregate(parts, [1.0] * 4, "median_filter", 2.0, stats)
+    assert torch.equal(got, aggregate(parts, [1.0] * 4, "mean", 2.0))  # nobody over the bound: the mean itself
+    assert 1.0 <= stats.max_ratio < 1.2 and stats.excluded_outlier == 0
+    with pytest.raises(ConfigError, match=">= 1 for median_filter"):
+        load_config("configs/tiny.yaml", ["swarm.aggregation=median_filter", "swarm.aggregation_clip=0.5"])
