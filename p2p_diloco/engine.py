@@ -247,15 +247,11 @@ class Worker:
             self.state.copy_to(self.model.parameters())
             raise
 
-    def apply_outer(
-        self, avg_delta: list[torch.Tensor], lr: float | None = None, momentum: float | None = None
-    ) -> float:
+    def apply_outer(self, avg_delta: list[torch.Tensor]) -> float:
         """Outer step on the anchor with Δ̄, then θ ← anchor. Returns the outer lr used."""
-        o = self.cfg.outer
-        lr = outer_lr_at(self.state.round, o.lr, o.lr_warmup_rounds) if lr is None else lr
-        momentum = o.momentum if momentum is None else momentum
+        lr = self.outer_lr(self.state.round)
         try:
-            self.state.apply(avg_delta, lr, momentum, o.nesterov)
+            self.state.apply(avg_delta, lr, self.cfg.outer.momentum, self.cfg.outer.nesterov)
         finally:
             self.state.copy_to(self.model.parameters())
         return lr

@@ -106,6 +106,10 @@ class OuterState:
         """No NaN or inf in the anchor or the momentum (one pass over the state)."""
         return all(bool(torch.isfinite(t).all()) for t in self.tensors())
 
+    def copy(self) -> OuterState:
+        """An independent copy (new tensors), e.g. a snapshot to serve or to roll back to."""
+        return OuterState.from_tensors(self.tensors(), self.round)
+
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], round: int) -> OuterState:
         if len(tensors) % 2:

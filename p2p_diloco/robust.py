@@ -92,15 +92,16 @@ def max_round_tokens(cfg) -> int:  # cfg: p2p_diloco.config.Config (not imported
     return cfg.inner.steps * cfg.inner.grad_accum * cfg.data.batch_size * cfg.data.seq_len
 
 
-def trusted_weight(wire_weight: float, declared_tokens: int, max_tokens: int) -> float:
+def trusted_weight(wire_weight: float, declared_tokens: int, max_tokens: int | None) -> float:
     """The weight a reducer may use for a sender: its declared tokens if the wire weight equals them and
-    0 < tokens <= ``max_tokens``; anything else (a weight that disagrees with the declaration, a declaration no round
-    can hold, NaN) counts 0.0."""
+    0 < tokens <= ``max_tokens`` (None: no bound); anything else (a weight that disagrees with the declaration, a
+    declaration no round can hold, NaN) counts 0.0."""
     try:
         ok = (
             math.isfinite(wire_weight)
             and float(wire_weight) == float(declared_tokens)
-            and 0 < declared_tokens <= max_tokens
+            and 0 < declared_tokens
+            and (max_tokens is None or declared_tokens <= max_tokens)
         )
     except (TypeError, ValueError, OverflowError):
         return 0.0

@@ -105,6 +105,7 @@ def test_weight_rule():
     assert trusted_weight(12801.0, 12801, cap) == 0.0  # more than one round can hold
     assert trusted_weight(0.0, 0, cap) == 0.0
     assert trusted_weight(-5.0, -5, cap) == 0.0
+    assert trusted_weight(1e9, 10**9, None) == 1e9 and trusted_weight(2.0, 1, None) == 0.0  # None: no bound
     assert trusted_weight(float("nan"), 100, cap) == 0.0
     assert trusted_weight(float("inf"), 100, cap) == 0.0
     cfg = load_config("configs/tiny.yaml")

@@ -115,8 +115,7 @@ class RobustPartReducer(TensorPartReducer):
             raise AllreduceException(f"sender {sender_index} sent part {part_index} twice or out of order")
         future = self.current_part_future
         declared = self.aggregation.declared[sender_index]
-        limit = self.aggregation.max_tokens if self.aggregation.max_tokens is not None else 2**53
-        trusted = 0.0 if declared is None else trusted_weight(weight, declared, limit)
+        trusted = 0.0 if declared is None else trusted_weight(weight, declared, self.aggregation.max_tokens)
         self.current_parts[sender_index] = (tensor_part, trusted)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()

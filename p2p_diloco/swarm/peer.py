@@ -96,7 +96,7 @@ class TrainingPeer:
         first_state(worker, self.sync, self.members, cfg, self.opts)
         wait_for_start_peers(self.members, cfg, worker.state.round, self.opts.stop)
         self.averager.set_state_provider(self.sync.serve)
-        self.averager.state_sharing_priority = float(worker.state.round)
+        self.sync.advertise()
         self.reporter = Reporter(cfg, self.log_dir, self.dht, self.peer_id, public_key)
         self.guard = RoundGuard(
             self.sync, s.rollback_after, s.max_failed_rounds, self.opts.stop.wait, fallback=self._checkpointed_state

@@ -70,7 +70,7 @@ class StateSync:
     def serve(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """(metadata, tensors) for a peer downloading our state; the lock is held only for the copy."""
         with self.lock:
-            snapshot = OuterState.from_tensors(self.worker.state.tensors(), self.worker.state.round)
+            snapshot = self.worker.state.copy()
             consensus = self.consensus
         meta = {
             "round": snapshot.round,
@@ -113,12 +113,16 @@ class StateSync:
         return ""
 
     # ---------------------------------------------------------------- changing the state
+    def advertise(self) -> None:
+        """Tell downloaders how far our state is: hivemind serves the highest ``state_sharing_priority`` first."""
+        self.averager.state_sharing_priority = float(self.worker.state.round)
+
     def adopt(self, offer: Offer, why: str) -> None:
         with self.lock:
             self.worker.load_state(offer.state)
             self.consensus = offer.consensus
             self.version += 1
-        self.averager.state_sharing_priority = float(offer.state.round)
+        self.advertise()
         log.info("%s: took the outer state at %s", why, offer.tag)
 
     def apply_outer(self, averaged: list[torch.Tensor], consensus: bool) -> float:
@@ -127,7 +131,7 @@ class StateSync:
             lr = self.worker.apply_outer(averaged)
             self.consensus = consensus
             self.version += 1
-        self.averager.state_sharing_priority = float(self.worker.state.round)
+        self.advertise()
         return lr
 
     def download(self, newer_than: int = -1) -> bool:
@@ -153,7 +157,7 @@ class StateSync:
                 self.version += 1
                 self.worker.apply_outer(averaged)
                 self.consensus = True
-            self.averager.state_sharing_priority = float(self.worker.state.round)
+            self.advertise()
             return True
         if offer.state.round == group.round + 1:
             self.adopt(offer, "catch up")
@@ -184,7 +188,7 @@ class StateSync:
         with self.lock:
             if self._start is None or self._start[0] != self.version:
                 state = self.worker.state
-                self._start = (self.version, _copy(state), self.consensus)
+                self._start = (self.version, state.copy(), self.consensus)
             return self.version
 
     def round_ran(self) -> None:
@@ -198,7 +202,7 @@ class StateSync:
         the anchor and momentum are put back as they were then (an outer step cut short leaves them half done)."""
         with self.lock:
             if self._start is not None and self._start[0] == self.version:
-                self.worker.load_state(_copy(self._start[1]))
+                self.worker.load_state(self._start[1].copy())
                 self.consensus = self._start[2]
             else:
                 self.worker.state.copy_to(self.worker.model.parameters())
@@ -206,8 +210,4 @@ class StateSync:
     def last_good(self) -> Offer | None:
         """A copy of the last state from which a round's inner steps ran with a finite loss (None before one did)."""
         with self.lock:
-            return None if self._good is None else Offer(_copy(self._good[0]), self._good[1])
-
-
-def _copy(state: OuterState) -> OuterState:
-    return OuterState.from_tensors(state.tensors(), state.round)
+            return None if self._good is None else Offer(self._good[0].copy(), self._good[1])
