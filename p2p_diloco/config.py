@@ -132,6 +132,13 @@ class SwarmConfig:
     dht_timeout: float = 10.0  # seconds one DHT read or write of a training peer may take; then "no answer"
     max_failed_rounds: int = 10  # failed rounds in a row (non-finite or an error) before checkpoint + exit 1
     rollback_after: int = 3  # non-finite rounds in a row from one outer state before rolling back from it
+    # A downloaded outer state is adopted only when this many distinct peers (or all there are, when fewer) vouch
+    # for its (round, checksum) in their signed announcements (swarm/join.py), or it equals this peer's own.
+    state_quorum: int = 2
+    max_state_downloads: int = 4  # state downloads one peer may make from us per minute (more are refused)
+    # Closed run: a file of allowed public keys (`run_peer --print-public-key`), one a line. Unlisted peers never
+    # share a group with listed ones, get no state from them, and the monitor ignores their records. None: open.
+    authorized_keys: str | None = None
 
 
 @dataclass
@@ -222,6 +229,8 @@ def _check_ranges(cfg: Config) -> None:
         s.run_id,
         "a non-empty name without '.' or spaces",
     )
+    need(s.state_quorum >= 1, "swarm.state_quorum", s.state_quorum, ">= 1")
+    need(s.max_state_downloads >= 1, "swarm.max_state_downloads", s.max_state_downloads, ">= 1")
     need(s.min_group_size >= 1, "swarm.min_group_size", s.min_group_size, ">= 1")
     need(
         s.target_group_size >= s.min_group_size,

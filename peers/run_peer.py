@@ -6,6 +6,9 @@ Usage:
     # a volunteer joining a run: paste the line the organiser's run_bootstrap printed
     run_peer --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/QmXyZ... --config configs/tiny.yaml --log-dir runs/me
     # or: export P2P_DILOCO_INITIAL_PEERS="/ip4/.../p2p/Qm..."; run_peer --config ... --log-dir ...
+    # a closed run (swarm.authorized_keys): make a key once, send the printed line to the organiser, train with it
+    run_peer --identity-path me.key --print-public-key
+    run_peer --identity-path me.key --initial-peers ... --config ... --log-dir runs/me
 
 Exit codes: 0 finished or stopped by SIGINT/SIGTERM; 2 bad input (config, data, address); 3 no initial peer
 answered; 1 anything unexpected, or swarm.max_failed_rounds failed rounds in a row (checkpointed first).
@@ -30,6 +33,7 @@ from p2p_diloco.swarm.dht import (
     initial_peers_from_env,
     parse_initial_peers,
 )
+from p2p_diloco.swarm.identity import Identity, IdentityError
 from p2p_diloco.swarm.peer import PeerOptions, RoundsFailing, TrainingPeer
 
 
@@ -42,14 +46,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_initial_peers_argument(p)
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm; no initial peers needed")
-    p.add_argument("--config", required=True, help="YAML preset, e.g. configs/tiny.yaml")
-    p.add_argument("--log-dir", required=True, type=Path, help="metrics.jsonl, run metadata and checkpoints")
+    p.add_argument("--config", help="YAML preset, e.g. configs/tiny.yaml (required to train)")
+    p.add_argument("--log-dir", type=Path, help="metrics.jsonl, run metadata and checkpoints (required to train)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --log-dir")
     p.add_argument("--host-maddrs", nargs="*", default=None, help="listen addresses (default /ip4/0.0.0.0/tcp/0)")
     p.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses, when behind NAT")
     p.add_argument("--identity-path", default=None, help="key file for a stable peer id (created if missing)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--print-public-key",
+        action="store_true",
+        help="print the public key of --identity-path (created if missing), the line an organiser adds to a closed "
+        "run's swarm.authorized_keys, and exit",
+    )
+    args = p.parse_args(argv)
+    if args.print_public_key and not args.identity_path:
+        p.error("--print-public-key needs --identity-path FILE: the key this peer will train with")
+    if not args.print_public_key and (args.config is None or args.log_dir is None):
+        p.error("the following arguments are required to train: --config, --log-dir")
+    return args
+
+
+def print_public_key(identity_path: str) -> int:
+    identity = Identity.load(identity_path)
+    print(f"{identity.public_key.decode()} {identity.peer_id}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     initial = args.initial_peers if args.initial_peers is not None else initial_peers_from_env()
     try:
+        if args.print_public_key:
+            return print_public_key(args.identity_path)
         initial = parse_initial_peers(initial)  # fail fast, before the data and the model are built
         cfg = load_config(args.config, args.overrides)
         opts = PeerOptions(
@@ -92,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except RoundsFailing as exc:
         print(f"run_peer: {exc}", file=sys.stderr)
         return 1
-    except (CheckpointError, ConfigError, DataError, SwarmSetupError) as exc:
+    except (CheckpointError, ConfigError, DataError, IdentityError, SwarmSetupError) as exc:
         print(f"run_peer: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

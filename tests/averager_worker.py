@@ -8,11 +8,14 @@ whole process group from inside the all-reduce once it has handed that many part
 tests/faults.py), optional
 ``state_meta`` (serve it with make_grads(seed + 1000, shapes) as the outer state), optional ``gather_garbage``
 (send this value instead of a gather payload), optional ``weight_scale`` (put this multiple of the declared
-tokens on the wire as the weight), ``out_dir``.
+tokens on the wire as the weight), optional ``forge`` (sign the payload with a key that is not this peer's),
+optional ``identity_path`` (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the
+peer ids of a closed run), ``out_dir``.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
-``LOAD <timeout>`` -> ``LOADED {json}`` (state saved to out_dir/state.pt); ``EXIT`` -> ``BYE {json}``.
+``LOAD <donor peer id> <timeout>`` -> ``LOADED {json}`` (state saved to out_dir/state.pt; ``refused``: why not);
+``EXIT`` -> ``BYE {json}``.
 The kill hook prints ``DYING {json}`` just before the kill.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -56,14 +60,31 @@ def main() -> None:
     from hivemind.dht import DHT
 
     from p2p_diloco.swarm.averager import PseudoGradAverager
+    from p2p_diloco.swarm.identity import Identity
     from p2p_diloco.swarm.protocol import GatherPayload, RoundTag
 
     if cfg.get("kill_after_parts"):
         install_kill_after_sends(int(cfg["kill_after_parts"]), lambda sent: emit("DYING", {"t": time.time()}))
     shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]
-    dht = DHT(initial_peers=cfg.get("initial_peers") or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    identity = Identity.load(cfg.get("identity_path"))
+    dht = DHT(
+        initial_peers=cfg.get("initial_peers") or None,
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        identity_path=identity.path,
+        check_if_identity_free=False,
+    )
+    identity.close()
     grads = make_grads(seed, shapes)
-    averager = PseudoGradAverager(dht, grads, cfg["prefix"], **cfg["averager"])
+    kwargs = dict(cfg["averager"])
+    if kwargs.pop("authorized", None) is not None:  # a closed run of the peers with these seeds' keys
+        kwargs["authorized"] = frozenset(cfg["authorized_peers"])
+    signer = identity
+    if cfg.get("forge"):  # sign with a key that is not this peer's: its payload must not count anywhere
+        signer = Identity.load()
+        signer.close()
+        signer.peer_id = identity.peer_id
+    averager = PseudoGradAverager(dht, grads, cfg["prefix"], identity=signer, **kwargs)
     rnd, checksum = cfg.get("tag") or [0, "start"]
     steps = []
     original_step = averager.step
@@ -102,15 +123,13 @@ def main() -> None:
             except ValueError as e:
                 error = str(e)
             emit("NAN", {"error": error, "seconds": time.monotonic() - t0, "step_calls": len(steps)})
-        elif cmd == "LOAD":
-            t0, deadline, tries, loaded = time.monotonic(), time.monotonic() + 3 * float(args[0]), 0, None
-            while loaded is None and time.monotonic() < deadline:  # the donor's DHT declaration may lag
-                tries += 1
-                loaded = averager.load_state(timeout=float(args[0]))
-            if loaded is not None:
+        elif cmd == "LOAD":  # LOAD <donor peer id> <timeout>
+            t0 = time.monotonic()
+            loaded = averager.download(args[0], float(args[1]), len(shapes), 4 * sum(math.prod(s) for s in shapes))
+            if not isinstance(loaded, str):
                 torch.save(loaded[1], os.path.join(out_dir, "state.pt"))
-            meta = loaded[0] if loaded is not None else None
-            emit("LOADED", {"metadata": meta, "tries": tries, "seconds": time.monotonic() - t0})
+            meta, why = (None, loaded) if isinstance(loaded, str) else (loaded[0], None)
+            emit("LOADED", {"metadata": meta, "refused": why, "seconds": time.monotonic() - t0})
         elif cmd == "EXIT":
             break
     averager.shutdown()

@@ -1,13 +1,15 @@
 """Hostile peers next to honest ones (real processes on 127.0.0.1), each compared with the same swarm all honest.
 
 Every swarm here has 4 peers on shards 0-3 of configs/tiny.yaml; peer 3 is the attacker (tests/attack_peer.py)
-or, in the reference run, honest. Pass: every honest peer finishes (exit 0) in agreement with the others, and
-their final eval loss is within 2% of the all-honest swarm's.
+or, in the reference run, honest. Pass: every honest peer finishes (exit 0, so within its deadlines) in agreement
+with the others, and their final eval loss is within 2% of the all-honest swarm's. The bogus donor's swarm also
+has a late joiner, which must join at the honest peers' state (and never at the donor's round 10**6).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -30,14 +32,22 @@ SWARM = [
 ATTACK_PEER = [sys.executable, str(ROOT / "tests" / "attack_peer.py")]
 
 
-def run_swarm(spawn, out: Path, attack: tuple[str, str] | None) -> dict:
+def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: bool = False) -> dict:
     """Run the 4-peer swarm (peer 3 attacks when ``attack`` is given); the honest peers' records and losses."""
     _, initial = start_bootstrap(spawn)
     dirs = [out / f"peer{k}" for k in range(4)]
     honest = [start_peer(spawn, initial, d, *SWARM, f"data.shard_index={k}") for k, d in enumerate(dirs[:3])]
     prefix = [*ATTACK_PEER, *attack] if attack else None
     third = start_peer(spawn, initial, dirs[3], *SWARM, "data.shard_index=3", prefix=prefix)
+    joined = None
+    if late_joiner:
+        honest[0].wait_for_line(rf"^round [3-{ROUNDS}]/{ROUNDS} ", timeout=240)
+        late = start_peer(spawn, initial, out / "late", *SWARM, "data.shard_index=0", "swarm.start_peers=1")
+        match = late.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=120)
+        joined = {"round": int(match.group(1)), "checksum": match.group(2), "output": late.describe()}
+        honest.append(late)
     finish(honest, timeout=240)
+    attacker_output = third.describe()
     third.wait(timeout=60)
     final = {d.name: [r for r in records(d) if r.get("eval_loss") is not None][-1:] for d in dirs[:3]}
     checksums = {d.name: {r["outer_step"]: r["checksum"] for r in records(d)} for d in dirs[:3]}
@@ -46,6 +56,9 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None) -> dict:
         "final_round": {k: v[0]["outer_step"] if v else None for k, v in final.items()},
         "checksums": checksums,
         "decisions": {d.name: [r.get("decision") for r in records(d)] for d in dirs[:3]},
+        "joined": joined,
+        "reasons": [r["reduce_reason"] for d in dirs[:3] for r in records(d) if r.get("reduce_reason")],
+        "attacker_output": attacker_output,
     }
 
 
@@ -64,10 +77,44 @@ def all_honest(tmp_path_factory) -> dict:
             proc.kill_group()
 
 
+ATTACKS = [
+    ("negate", "1000"),  # -1000 x its Δ
+    ("weight", "1e6"),  # 1e6 x its tokens as the wire weight
+    ("lie", "100"),  # a reducer returning -100 x its slice's average
+    ("hijack", "1000"),  # a signed payload claiming a state 1000 rounds ahead
+    ("garbage", "1"),  # malformed gather payloads, garbage under every DHT key the peers read
+    ("flood", "20"),  # 20 state downloads a second
+]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("attack", [("negate", "1000"), ("weight", "1e6")], ids=["negate-1000x", "weight-1e6x"])
+@pytest.mark.parametrize("attack", ATTACKS, ids=[f"{a}-{s}" for a, s in ATTACKS])
 def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, attack):
     attacked = run_swarm(spawn, tmp_path, attack)
+    check_against_all_honest(attacked, all_honest, attack)
+    if attack[0] == "flood":  # the honest peers refused most of it (swarm.max_state_downloads per minute)
+        floods = re.findall(r"FLOOD (\{.*\})", attacked["attacker_output"])
+        assert floods, attacked["attacker_output"][-2000:]
+        last = json.loads(floods[-1])
+        assert last["refused"] > last["served"], last
+        print("flood:", last)
+    if attack[0] == "lie":
+        assert any("returned an average too long to be one" in r for r in attacked["reasons"]), attacked["reasons"]
+
+
+@pytest.mark.timeout(600)
+def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_honest):
+    attacked = run_swarm(spawn, tmp_path, ("donor", "6"), late_joiner=True)
+    joined = attacked["joined"]
+    donors = {r["outer_step"]: r["checksum"] for r in records(tmp_path / "peer0")}
+    assert 3 <= joined["round"] <= ROUNDS and donors.get(joined["round"]) == joined["checksum"], joined
+    assert "fewer than 2 peers vouch" in joined["output"], joined["output"][-3000:]
+    late = records(tmp_path / "late")
+    assert late and max(r["outer_step"] for r in late) <= ROUNDS, late
+    check_against_all_honest(attacked, all_honest, ("donor", "6"))
+
+
+def check_against_all_honest(attacked: dict, all_honest: dict, attack: tuple[str, str]) -> None:
     print(json.dumps({"attack": attack, "all_honest": all_honest["eval_loss"], "attacked": attacked["eval_loss"]}))
     assert set(attacked["final_round"].values()) == {ROUNDS}, attacked
     finals = {c[ROUNDS] for c in attacked["checksums"].values()}

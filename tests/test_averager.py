@@ -40,7 +40,10 @@ class Worker:
 
     def expect(self, tag: str, timeout: float) -> dict:
         line = self.proc.wait_for_line(rf"^{tag} ", timeout=timeout).string
-        return json.loads(line[len(tag) + 1 :])
+        found = json.loads(line[len(tag) + 1 :])
+        if tag == "READY":
+            self.peer_id = found["peer_id"]
+        return found
 
     def send(self, command: str) -> None:
         self.proc.send(command)
@@ -122,7 +125,7 @@ def test_three_peers_get_the_weighted_mean(spawn):
     for peer, res in zip(peers, results, strict=True):
         info = res["info"]
         # a member that reaches matchmaking late can miss the first group (seen on a quiet machine): a retry is fine
-        assert info["complete"] and info["group_size"] == 3 and info["attempts"] >= 1, info
+        assert info["complete"] and info["group_size"] == 3 and info["attempts"] >= 1, info["reason"]
         assert sorted(p["tokens"] for p in info["gathered"]["payloads"].values()) == [1, 2, 5]  # every member's payload
         assert info["bytes_sent"] > 0 and info["matchmaking_seconds"] >= 0 and info["allreduce_seconds"] > 0
         assert_close(peer.result(), expected)
@@ -242,10 +245,72 @@ def test_alone_peer_returns_local_values_quickly(lone_peer):
 def test_late_joiner_loads_the_donor_state_exactly(spawn):
     meta = {"outer_step": 17, "checksum": "ab12cd34", "lr": 0.7}
     donor, joiner = start_swarm(spawn, 2, per_peer={0: {"state_meta": meta}})
-    joiner.send("LOAD 5")
+    joiner.send(f"LOAD {donor.peer_id} 5")
     res = joiner.expect("LOADED", 60)
     assert res["metadata"] == meta, res
     loaded = joiner.result("state.pt")
     expected = make_grads(0 + 1000, SHAPES)  # the donor (seed 0) serves make_grads(seed + 1000)
     assert all(torch.equal(a, b) for a, b in zip(loaded, expected, strict=True))
     print("state load:", res)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_state_downloads_per_peer_are_limited(spawn):
+    """swarm.max_state_downloads=2: a third download within the minute is refused, an empty stream at once."""
+    meta = {"round": 3}
+    averager = {**FAST, "max_state_downloads": 2}
+    donor, joiner = start_swarm(spawn, 2, per_peer={0: {"state_meta": meta}}, averager=averager)
+    answers = []
+    for _ in range(3):
+        joiner.send(f"LOAD {donor.peer_id} 5")
+        answers.append(joiner.expect("LOADED", 30))
+    assert [a["metadata"] for a in answers] == [meta, meta, None], answers
+    assert "no state" in answers[2]["refused"], answers[2]
+    assert answers[2]["seconds"] < 5, answers[2]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_payload_signed_with_another_key_is_dropped(spawn):
+    """A member whose payload is not signed by the key its peer id stands for (what a leader forging a member's
+    payload would send) weighs 0 everywhere, and the others see it as malformed."""
+    peers = start_swarm(spawn, 3, per_peer={2: {"forge": True}})
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 40) for peer in peers]
+    for peer, res in zip(peers, results, strict=True):
+        info = res["info"]
+        assert info["complete"] and info["group_size"] == 3, info
+        assert info["gathered"]["malformed"] == 1 and len(info["gathered"]["payloads"]) == 2, info
+        assert_close(peer.result(), weighted_mean([0, 1], [1.0, 1.0]))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
+def test_a_closed_run_never_groups_with_or_serves_an_unlisted_peer(spawn, tmp_path):
+    """p0 and p1 list each other's keys (swarm.authorized_keys); p2 is a stranger that knows the prefix."""
+    from p2p_diloco.swarm.identity import Identity
+
+    keys = [tmp_path / f"k{i}.key" for i in range(3)]
+    ids = [Identity.load(k).peer_id for k in keys]
+    closed = {"averager": {**FAST, "authorized": True}, "authorized_peers": ids[:2], "state_meta": {"round": 1}}
+    per_peer = {0: {**closed, "identity_path": str(keys[0])}, 1: {**closed, "identity_path": str(keys[1])}}
+    per_peer[2] = {"identity_path": str(keys[2])}
+    peers = start_swarm(spawn, 3, per_peer=per_peer)
+    assert [p.peer_id for p in peers] == ids
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 80) for peer in peers]
+    for peer, res in zip(peers[:2], results[:2], strict=True):
+        info = res["info"]
+        assert info["complete"] and info["group_size"] == 2, info
+        assert sorted(info["gathered"]["payloads"]) == sorted(ids[:2]), info
+        assert_close(peer.result(), weighted_mean([0, 1], [1.0, 1.0]))
+    assert not results[2]["info"]["complete"], results[2]
+    print("the stranger's round:", results[2]["info"]["reason"])
+    peers[2].send(f"LOAD {ids[0]} 5")
+    refused = peers[2].expect("LOADED", 30)
+    assert refused["metadata"] is None and "no state" in refused["refused"], refused
+    peers[1].send(f"LOAD {ids[0]} 5")
+    assert peers[1].expect("LOADED", 30)["metadata"] == {"round": 1}

@@ -16,7 +16,9 @@ from test_records import record
 import p2p_diloco.swarm.dht as dht_module
 from p2p_diloco.config import load_config
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht, visible_maddrs
+from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.join import Membership
+from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.records import make_record_validators, publish_record, read_records
 
 pytestmark = pytest.mark.swarm
@@ -32,13 +34,15 @@ def test_a_lookup_that_never_answers_and_a_dead_dht_are_bounded(caplog, monkeypa
     monkeypatch.setattr(dht_module, "_warned", set())  # warnings are once per kind and process: start afresh
     cfg = load_config(TINY, [f"swarm.dht_timeout={TIMEOUT}"])
     run_id = cfg.swarm.run_id
-    validators, public_key = make_record_validators(run_id)  # what a training peer's node runs
+    identity = Identity.load()
+    identity.close()
+    validators, public_key = make_record_validators(run_id, identity.key)  # what a training peer's node runs
     dhts = []
     try:
         peer = start_dht([], new_swarm=True, host_maddrs=LOCAL, join_timeout=10, record_validators=validators)
         dhts.append(peer)
-        members = Membership(peer, cfg, "peer-a", "fp", {"model.hidden_size": 128})
-        assert members.announce(0)
+        members = Membership(peer, cfg, identity, "fp", {"model.hidden_size": 128})
+        assert members.announce(RoundTag(0, "seed"))
         stranger = start_dht(visible_maddrs(peer), host_maddrs=LOCAL, join_timeout=10)
         dhts.append(stranger)
         # hivemind strips "[signature:...]" from every value a lookup returns: this one is no longer msgpack then
@@ -60,7 +64,7 @@ def test_a_lookup_that_never_answers_and_a_dead_dht_are_bounded(caplog, monkeypa
         assert "reading the run's members from the DHT: no answer from the DHT within 2 s" in warned[0]
 
         # the node itself is fine: writes go through, other keys read back
-        assert members.announce(1)
+        assert members.announce(RoundTag(1, "one"))
         assert publish_record(peer, run_id, record("peer-a"), ttl=60, public_key=public_key, timeout=TIMEOUT)
         found, bad = read_records(peer, run_id, timeout=10)
         assert set(found) == {"peer-a"} and bad == 0
@@ -69,7 +73,7 @@ def test_a_lookup_that_never_answers_and_a_dead_dht_are_bounded(caplog, monkeypa
         shutdown_dht(peer)
         started = time.monotonic()
         assert members.others() == {}
-        assert not members.announce(2)
+        assert not members.announce(RoundTag(2, "two"))
         assert not publish_record(peer, run_id, record("peer-a", step=2), ttl=60, public_key=public_key, timeout=1)
         took = time.monotonic() - started
         assert took < 2 * TIMEOUT + 1 + 3, took

@@ -55,7 +55,7 @@ import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
@@ -64,17 +64,22 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht import DHT
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.engine import ReduceInfo
+from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
 from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner
 from p2p_diloco.swarm.dht import children_ignore_sigint
+from p2p_diloco.swarm.identity import Identity, peer_id_of, verify
 from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, decide
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
+BAN_SECONDS = 600.0  # how long a reducer caught lying is kept out of our groups
 _STATE_KEY = "p2p_diloco_state"  # wraps the metadata: hivemind drops a state whose metadata is falsy ({})
 
 
@@ -138,6 +143,9 @@ class PseudoGradAverager(DecentralizedAverager):
         aggregation: str = "mean",
         aggregation_clip: float = 1.0,
         max_tokens: int | None = None,
+        identity: Identity | None = None,
+        authorized: frozenset[str] | None = None,
+        max_state_downloads: int = 4,
         start: bool = True,
         shutdown_timeout: float = 5.0,
     ):
@@ -175,6 +183,11 @@ class PseudoGradAverager(DecentralizedAverager):
         # read in the averager process (set before it forks)
         self.rules = rules or RoundRules()
         self.aggregation, self.aggregation_clip, self.max_tokens = aggregation, aggregation_clip, max_tokens
+        # identity: sign our gather payload, and drop every member's that its author did not sign (None: unsigned
+        # payloads, for tests of the all-reduce alone). authorized: the peer ids of a closed run (None: open).
+        self.identity, self.authorized, self.max_state_downloads = identity, authorized, max_state_downloads
+        self._downloads: dict[str, list[float]] = {}  # per downloading peer: when it started its recent downloads
+        self._banned: dict[str, float] = {}  # reducers caught lying -> until when we refuse to group with them
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
         if start:
@@ -199,6 +212,7 @@ class PseudoGradAverager(DecentralizedAverager):
         kw.setdefault("rules", RoundRules.from_config(swarm))
         kw.setdefault("aggregation", swarm.aggregation)
         kw.setdefault("aggregation_clip", swarm.aggregation_clip)
+        kw.setdefault("max_state_downloads", swarm.max_state_downloads)
         return cls(dht, templates, prefix, **{name: getattr(swarm, name) for name in names}, **kw)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
@@ -239,7 +253,7 @@ class PseudoGradAverager(DecentralizedAverager):
         """Weighted mean over a complete group, or the local pseudo-gradients; never a partial mean."""
         start = time.monotonic()
         grads = self._check_inputs(pseudo_grads, weight)
-        gather = payload.to_wire() if payload is not None else None
+        gather = self._sign(payload) if payload is not None else None
         alone = Gathered({str(self.peer_id): payload} if payload is not None else {})
         info = ReduceInfo(gathered=alone, check_seconds=time.monotonic() - start)
         notes: list[str] = []
@@ -258,6 +272,28 @@ class PseudoGradAverager(DecentralizedAverager):
                 break
         info.group_size, info.complete, info.reason = 1, False, "; ".join(notes)
         return [g.clone() for g in grads], info
+
+    def _sign(self, payload: GatherPayload) -> Any:
+        """Our payload's wire form, signed with our key (bound to our peer id and this run's prefix)."""
+        wire = payload.to_wire()
+        if self.identity is not None and isinstance(payload, GatherPayload):
+            message = payload.signed_bytes(self.prefix, self.identity.peer_id)
+            wire = {**wire, "key": self.identity.public_key, "sig": self.identity.sign(message)}
+        return wire
+
+    def _opened(self, peer_id: str, raw: Any) -> Any:
+        """A member's wire payload without its signature when its author signed it, else None (then dropped and
+        counted). The signing key must be the one the member's peer id stands for: a leader that relays the
+        group's payloads cannot forge one, nor pass one member's off as another's."""
+        if self.identity is None:
+            return raw
+        if not isinstance(raw, dict) or not isinstance(raw.get("key"), bytes) or not isinstance(raw.get("sig"), bytes):
+            return None
+        wire = {k: v for k, v in raw.items() if k not in ("key", "sig")}
+        payload = GatherPayload.from_wire(wire)
+        if payload is None or peer_id_of(raw["key"]) != peer_id:
+            return None
+        return wire if verify(raw["key"], payload.signed_bytes(self.prefix, peer_id), raw["sig"]) else None
 
     def _attempt(
         self, grads: list[torch.Tensor], weight: float, gather: Any, info: ReduceInfo
@@ -327,7 +363,10 @@ class PseudoGradAverager(DecentralizedAverager):
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             modes = [AveragingMode(m) for m in mode_ids]
             members = zip(group_info.peer_ids, user_bytes, strict=True)
-            gathered = Gathered.parse({str(p): self._decode(b) for p, b in members})
+            gathered = Gathered.parse({str(p): self._opened(str(p), self._decode(b)) for p, b in members})
+            strangers = [str(p) for p in group_info.peer_ids if not self._admitted(p)]
+            if strangers:  # never send a part to, or take one from, a peer that is not listed or was caught lying
+                raise PermissionError(f"the group holds {len(strangers)} unlisted or banned peer(s)")
             counted = self._counted_tokens(gathered)
             if counted.get(str(self.peer_id)) is None:
                 kwargs["weight"] = 0.0  # out of sync with the group: serve as a reducer, contribute nothing
@@ -354,7 +393,12 @@ class PseudoGradAverager(DecentralizedAverager):
                     tensor.copy_(averaged)
                 digest = _digest(local_tensors)
             container, reducer = runner.tensor_part_container, runner.tensor_part_reducer
-            if container.failed_size:
+            if runner.lying_reducers:
+                liars = sorted(str(p) for p in runner.lying_reducers)
+                for liar in liars:
+                    self._banned[liar] = time.monotonic() + BAN_SECONDS
+                reason = f"reducer(s) {', '.join(p[-6:] for p in liars)} returned an average too long to be one: banned"
+            elif container.failed_size:
                 reason = f"{container.failed_size} of {container.total_size} values lost their reducer"
             elif runner.banned_senders or any(math.isfinite(x) for x in reducer.sender_failed_after):
                 reason = "this peer's reducer dropped a sender mid-round"
@@ -465,16 +509,89 @@ class PseudoGradAverager(DecentralizedAverager):
         metadata, tensors = self._state_provider()
         return {_STATE_KEY: metadata}, [t.detach().cpu() for t in tensors], None
 
-    def load_state(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
-        """Download (metadata, tensors) from the sharing peer with the highest priority; None if none answered.
+    def _admitted(self, peer: Any) -> bool:
+        """Whether ``peer`` may average with us and download our state: listed (in a closed run), not banned."""
+        peer = str(peer)
+        if peer in self._banned and self._banned[peer] < time.monotonic():
+            del self._banned[peer]
+        return (self.authorized is None or peer in self.authorized) and peer not in self._banned
 
-        hivemind replaces a given ``timeout`` by ``next_chunk_timeout`` per chunk (averager.py:685-686); the
-        whole download is bounded here by ``timeout``.
-        """
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's matchmaking, closed to peers that a closed run does not list."""
+        if not self._admitted(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Our state, to a listed peer that has not downloaded it ``max_state_downloads`` times in the last minute;
+        anyone else gets an empty stream (hivemind's way to say no). The state is a snapshot (sync.py), so a flood
+        of downloads never holds the training lock beyond one copy per state."""
+        peer, now = str(context.remote_id), time.monotonic()
+        recent = [t for t in self._downloads.get(peer, []) if now - t < 60.0]
+        if not self._admitted(peer) or len(recent) >= self.max_state_downloads:
+            self._downloads[peer] = recent
+            return
+        self._downloads[peer] = recent + [now]
+        if len(self._downloads) > 1024:  # forget the peers that downloaded least recently
+            for stale in sorted(self._downloads, key=lambda p: max(self._downloads[p], default=0.0))[:512]:
+                del self._downloads[stale]
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    def download(
+        self, peer_id: str, timeout: float, max_tensors: int, max_bytes: int
+    ) -> tuple[dict, list[torch.Tensor]] | str:
+        """(metadata, tensors) of ``peer_id``'s state, or why not (a line). Bounded: ``timeout`` for the whole
+        download, ``next_chunk_timeout`` between messages, at most ``max_tensors`` tensors and ``max_bytes`` bytes
+        of tensor data (what the caller's state holds), plus 1 MiB for metadata and framing."""
+        future: MPFuture = MPFuture()
+        limits = dict(max_tensors=max_tensors, max_bytes=max_bytes + (1 << 20))
+        self._outer_pipe.send(("_download", [], dict(peer_id=peer_id, timeout=timeout, future=future, **limits)))
         try:
-            result = self.load_state_from_peers(wait=False, timeout=timeout).result(timeout=timeout)
-        except Exception:
-            return None
-        if not result or not isinstance(result[0], dict) or _STATE_KEY not in result[0]:
-            return None
-        return result[0][_STATE_KEY], list(result[1])
+            result = future.result(timeout=timeout + 5.0)
+        except Exception as e:  # noqa: BLE001 - a dead averager process, a pipe error: no state, and why
+            return f"{type(e).__name__}: {e}"
+        if isinstance(result, str):
+            return result
+        metadata, tensors = result
+        if not isinstance(metadata, dict) or not isinstance(metadata.get(_STATE_KEY), dict):
+            return "the peer sent no state (it serves none, or refused us)"
+        return metadata[_STATE_KEY], tensors
+
+    async def _download(self, peer_id: str, timeout: float, future: MPFuture, **limits: int) -> None:
+        try:
+            result: Any = await asyncio.wait_for(self._fetch_state(PeerID.from_base58(peer_id), **limits), timeout)
+        except asyncio.TimeoutError:
+            result = f"no complete state within {timeout:g}s"
+        except Exception as e:  # noqa: BLE001 - whatever the donor did, it is a refused offer
+            result = f"{type(e).__name__}: {e}"
+        if not future.done():
+            future.set_result(result)
+
+    async def _fetch_state(self, peer: PeerID, max_tensors: int, max_bytes: int) -> tuple[Any, list[torch.Tensor]]:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, parts, tensors, received = None, [], [], 0
+        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+            received += message.ByteSize()
+            if received > max_bytes:
+                raise ValueError(f"the peer sent over {max_bytes} bytes, more than this model's state holds")
+            if message.metadata:
+                if metadata is not None:
+                    raise ValueError("the peer sent its metadata twice")
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype starts the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+                if len(tensors) > max_tensors:
+                    raise ValueError(f"the peer sent over {max_tensors} tensors")
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return metadata, tensors

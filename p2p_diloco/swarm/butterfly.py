@@ -18,6 +18,9 @@ What differs from the stock runner:
 - the reducer keeps every sender's part and reduces them together (``robust.aggregate``: a mean whose senders
   are clipped, configured by ``swarm.aggregation``), each with the weight its gather payload declared, if the
   wire weight matches it and one round can hold it, else 0 (stock: the wire weight, whatever it is);
+- an averaged part longer than ``2 x aggregation_clip`` x this member's own part of it marks its reducer a liar
+  (``lying_reducers``): robust rules never average parts longer than clip x the median, so an honest reducer's
+  result stays within that bound (the averager fails the attempt and stops grouping with it);
 - payload bytes are counted where messages meet the transport, both as caller (``_get_peer_stub``: our parts
   to each reducer and its averaged parts back) and as handler (``rpc_aggregate_part``: a sender's parts and our
   replies): the protobuf ``ByteSize()`` of each message, before libp2p framing and encryption. The own slice is
@@ -141,10 +144,27 @@ class ExactRunner(AllReduceRunner):
 
     def __init__(self, aggregation: Aggregation, **kwargs: Any):
         super().__init__(**kwargs)
-        self.tensor_part_container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
+        container = self.tensor_part_container
+        container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
         self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
         self.payload_bytes: Counter[str] = Counter(sent=0, received=0)
+        # A reducer's averaged part can be no longer than the longest part it may accept: robust rules accept parts
+        # up to clip x the median norm. Measured all honest, our own part is within 1.54x the median, so an average
+        # over 2 x clip x our part's norm is a lie (for "mean", which accepts anything, there is no bound).
+        self.max_ratio = None if aggregation.rule == "mean" else 2.0 * aggregation.clip
+        self.own_norms = [[float(part.norm()) for part, _ in parts] for parts in container._input_parts_by_peer]
+        self.lying_reducers: set[Any] = set()
+        register = container.register_processed_part
+
+        def checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
+            own, reducer = self.own_norms[peer_index][part_index], self.ordered_peer_ids[peer_index]
+            bound = None if self.max_ratio is None or reducer == self.peer_id or own <= 0 else self.max_ratio * own
+            if bound is not None and not part.norm() <= bound:
+                self.lying_reducers.add(self.ordered_peer_ids[peer_index])
+            register(peer_index, part_index, part)
+
+        container.register_processed_part = checked
 
     def _get_peer_stub(self, peer: Any) -> Any:
         """Our parts to that reducer and its averaged parts back: counted as they pass (allreduce.py:216)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state
@@ -31,7 +32,9 @@ from p2p_diloco.config import Config
 from p2p_diloco.engine import Worker
 from p2p_diloco.fingerprint import fingerprint_differences
 from p2p_diloco.swarm.dht import SwarmSetupError, bounded
-from p2p_diloco.swarm.sync import StateSync
+from p2p_diloco.swarm.identity import Identity, owner_of, peer_id_of
+from p2p_diloco.swarm.protocol import RoundTag
+from p2p_diloco.swarm.sync import StateSync, Vouches
 
 __all__ = ["Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
@@ -54,27 +57,54 @@ class PeerOptions:
 
 
 class Membership:
-    """The run's fingerprint announcements in the DHT: ours, and everybody else's."""
+    """The run's signed announcements in the DHT: ours, and everybody else's (see the module docstring)."""
 
-    def __init__(self, dht: Any, cfg: Config, peer_id: str, fingerprint: str, summary: dict[str, Any]) -> None:
-        self.dht, self.cfg, self.peer_id = dht, cfg, peer_id
-        self.fingerprint, self.summary = fingerprint, summary
+    HISTORY = 8  # the tags of our last states we vouch for
+
+    def __init__(
+        self,
+        dht: Any,
+        cfg: Config,
+        identity: Identity,
+        fingerprint: str,
+        summary: dict[str, Any],
+        authorized: frozenset[str] | None = None,
+    ) -> None:
+        self.dht, self.cfg, self.identity, self.peer_id = dht, cfg, identity, identity.peer_id
+        self.fingerprint, self.summary, self.authorized = fingerprint, summary, authorized
         self.key = f"{cfg.swarm.run_id}_fingerprint"
+        self.subkey = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", identity.public_key)
         self.timeout = cfg.swarm.dht_timeout
+        self.states: list[RoundTag] = []  # our recent tags, oldest first
 
-    def announce(self, round: int) -> bool:
-        """Store (or refresh) our announcement; False when no DHT node took it within the deadline."""
-        value = {"fingerprint": self.fingerprint, "summary": self.summary, "round": round}
+    def announce(self, tag: RoundTag, wait: bool = True) -> bool:
+        """Store (or refresh) our announcement, vouching for ``tag`` and our previous few; False when no DHT node
+        took it within the deadline. ``wait=False`` hands it to the DHT process and returns at once (True)."""
+        if not self.states or self.states[-1] != tag:
+            self.states = [t for t in self.states if t != tag][-(self.HISTORY - 1) :] + [tag]
+        value = {
+            "fingerprint": self.fingerprint,
+            "summary": self.summary,
+            "round": tag.round,
+            "states": [[t.round, t.checksum] for t in self.states],
+        }
         expires = get_dht_time() + self.cfg.swarm.record_ttl
 
         def store() -> Any:
-            return self.dht.store(self.key, value, expires, subkey=self.peer_id, return_future=True)
+            return self.dht.store(self.key, value, expires, subkey=self.subkey, return_future=True)
 
+        if not wait:
+            try:
+                store()
+            except Exception as exc:  # noqa: BLE001 - a dead DHT pipe: the next announcement says it again
+                log.warning("announcing this peer in the DHT failed: %r", exc)
+            return True
         return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
     def others(self) -> dict[str, dict]:
-        """Announcements of the other peers of this run, whatever their settings ({} when the DHT does not answer
-        within ``swarm.dht_timeout``)."""
+        """Announcements of the other peers of this run by peer id, whatever their settings ({} when the DHT does
+        not answer within ``swarm.dht_timeout``). Only signed ones count, each under its signer's peer id; in a
+        closed run, only those of listed peers."""
         found = bounded(
             lambda: self.dht.get(self.key, latest=True, return_future=True),
             self.timeout,
@@ -83,9 +113,15 @@ class Membership:
         )
         value = getattr(found, "value", None)
         entries = value if isinstance(value, dict) else {}
-        return {
-            k: v.value for k, v in entries.items() if k != self.peer_id and isinstance(getattr(v, "value", None), dict)
-        }
+        out = {}
+        for subkey, item in entries.items():
+            peer = peer_id_of(owner_of(subkey) or b"")
+            announcement = getattr(item, "value", None)
+            if peer is None or peer == self.peer_id or not isinstance(announcement, dict):
+                continue
+            if self.authorized is None or peer in self.authorized:
+                out[peer] = announcement
+        return out
 
     def mates(self) -> list[dict]:
         """Announcements of the other peers that share our fingerprint (they can average with us)."""
@@ -94,6 +130,20 @@ class Membership:
     def newest_round(self) -> int:
         """The highest round a peer with our settings announced (0 when none)."""
         return max((_round_of(v) for v in self.mates()), default=0)
+
+    def vouches(self) -> Vouches:
+        """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch)."""
+        out = Vouches()
+        for peer, announcement in self.others().items():
+            if announcement.get("fingerprint") != self.fingerprint:
+                continue
+            tags = _tags_of(announcement)
+            out.peers += 1
+            for tag in tags:
+                out.vouchers.setdefault(tag, set()).add(peer)
+            if tags:
+                out.holders.setdefault(tags[-1], []).append(peer)
+        return out
 
     def check(self) -> None:
         """Refuse to join a run in which every other peer has other settings; warn about the odd ones out."""
@@ -110,6 +160,22 @@ class Membership:
             )
         for peer in differ:
             log.warning("peer %s runs different settings; it will not average with this peer", peer)
+
+
+def _tags_of(announcement: dict) -> list[RoundTag]:
+    """The tags an announcement vouches for, oldest first (the last is the state its peer holds); [] if malformed."""
+    states = announcement.get("states")
+    if not isinstance(states, list) or len(states) > Membership.HISTORY:
+        return []
+    tags = []
+    for item in states:
+        if not (isinstance(item, list | tuple) and len(item) == 2):
+            return []
+        rnd, checksum = item
+        if not (isinstance(rnd, int) and not isinstance(rnd, bool) and 0 <= rnd < 2**53 and isinstance(checksum, str)):
+            return []
+        tags.append(RoundTag(rnd, checksum[:64]))
+    return tags
 
 
 def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Config, opts: PeerOptions) -> None:
@@ -152,7 +218,7 @@ def _round_of(announcement: dict) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def wait_for_start_peers(members: Membership, cfg: Config, round: int, stop: threading.Event) -> None:
+def wait_for_start_peers(members: Membership, cfg: Config, tag: RoundTag, stop: threading.Event) -> None:
     """Hold round 1 until swarm.start_peers peers of this run are up (bounded by swarm.join_timeout)."""
     want, deadline = cfg.swarm.start_peers, time.monotonic() + cfg.swarm.join_timeout
     while want > 1 and time.monotonic() < deadline and not stop.is_set():
@@ -160,7 +226,7 @@ def wait_for_start_peers(members: Membership, cfg: Config, round: int, stop: thr
         if seen >= want:
             log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
             return
-        members.announce(round)
+        members.announce(tag)
         time.sleep(0.5)
     if want > 1:
         log.warning("fewer than swarm.start_peers=%d peers after %.0fs: starting anyway", want, cfg.swarm.join_timeout)

@@ -35,8 +35,9 @@ from p2p_diloco.fingerprint import swarm_fingerprint
 from p2p_diloco.outer import OuterState
 from p2p_diloco.robust import max_round_tokens
 from p2p_diloco.swarm.averager import PseudoGradAverager
-from p2p_diloco.swarm.dht import initial_peers_line, shutdown_dht, start_dht, visible_maddrs
+from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
+from p2p_diloco.swarm.identity import Identity, read_authorized_keys
 from p2p_diloco.swarm.join import Membership, PeerOptions, first_state, wait_for_start_peers
 from p2p_diloco.swarm.protocol import RoundRules
 from p2p_diloco.swarm.records import make_record_validators
@@ -58,6 +59,7 @@ class TrainingPeer:
         self.data = DataPipeline(cfg.data, cfg.seed)
         self.rules = RoundRules.from_config(cfg.swarm)
         self.dht = None
+        self.identity: Identity | None = None
         self.averager: PseudoGradAverager | None = None
         self.worker: Worker | None = None
         self.sync: StateSync | None = None
@@ -69,32 +71,58 @@ class TrainingPeer:
 
     def start(self) -> None:
         cfg, s = self.cfg, self.cfg.swarm
-        validators, public_key = make_record_validators(s.run_id)
-        self.dht = start_dht(
-            self.opts.initial_peers,
-            host_maddrs=self.opts.host_maddrs,
-            announce_maddrs=self.opts.announce_maddrs,
-            identity_path=self.opts.identity_path,
-            join_timeout=s.join_timeout,
-            record_validators=validators,
-            new_swarm=self.opts.new_swarm,
-        )
+        authorized = read_authorized_keys(s.authorized_keys) if s.authorized_keys else None
+        self.identity = identity = Identity.load(self.opts.identity_path)
+        if authorized is not None and identity.peer_id not in authorized:
+            raise SwarmSetupError(
+                f"run {s.run_id!r} is closed and swarm.authorized_keys ({s.authorized_keys}) does not list this "
+                f"peer's key; ask the organiser to add this line to it:\n  {identity.public_key.decode()}"
+            )
+        validators, public_key = make_record_validators(s.run_id, identity.key)
+        try:
+            self.dht = start_dht(
+                self.opts.initial_peers,
+                host_maddrs=self.opts.host_maddrs,
+                announce_maddrs=self.opts.announce_maddrs,
+                identity_path=identity.path,
+                join_timeout=s.join_timeout,
+                record_validators=validators,
+                new_swarm=self.opts.new_swarm,
+                check_if_identity_free=self.opts.identity_path is not None,
+            )
+        finally:
+            identity.close()  # p2pd has read a temporary key file by now (or failed): it leaves the disk
         self.peer_id = str(self.dht.peer_id)
         print(f"peer {self.peer_id} reachable as: {initial_peers_line(visible_maddrs(self.dht))}", flush=True)
         shard = cfg.data.shard_index
         shard = shard if shard is not None else shard_for_peer(self.peer_id, cfg.data.num_shards)
         self.worker = worker = Worker(cfg, self.data.vocab_size, self.data.train_batches(shard, cfg.seed))
         fingerprint, summary = swarm_fingerprint(cfg, worker.model, self.data)
-        self.members = Membership(self.dht, cfg, self.peer_id, fingerprint, summary)
-        self.members.check()
-        self.members.announce(worker.state.round)
+        self.members = members = Membership(self.dht, cfg, identity, fingerprint, summary, authorized)
+        members.check()
+        members.announce(worker.tag())
         prefix = f"{s.run_id}_{fingerprint}"
         self.averager = PseudoGradAverager.from_config(
-            self.dht, worker.state.anchor, s, prefix=prefix, max_tokens=max_round_tokens(cfg)
+            self.dht,
+            worker.state.anchor,
+            s,
+            prefix=prefix,
+            max_tokens=max_round_tokens(cfg),
+            identity=identity,
+            authorized=authorized,
         )
-        self.sync = StateSync(worker, self.averager, fingerprint, s.state_timeout, lambda: bool(self.members.others()))
-        first_state(worker, self.sync, self.members, cfg, self.opts)
-        wait_for_start_peers(self.members, cfg, worker.state.round, self.opts.stop)
+        self.sync = sync = StateSync(
+            worker,
+            self.averager,
+            fingerprint,
+            s.state_timeout,
+            lambda: bool(members.others()),
+            vouches=members.vouches,
+            quorum=s.state_quorum,
+        )
+        sync.on_change = lambda: members.announce(sync.tag(), wait=False)  # vouch for a new state at once
+        first_state(worker, sync, members, cfg, self.opts)
+        wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
         self.averager.set_state_provider(self.sync.serve)
         self.sync.advertise()
         self.reporter = Reporter(cfg, self.log_dir, self.dht, self.peer_id, public_key)
@@ -154,7 +182,7 @@ class TrainingPeer:
                 if result is None:
                     continue
                 self.reporter.report(result, time.perf_counter() - started)
-                self.members.announce(self.worker.state.round)
+                self.members.announce(self.sync.tag())
                 every = self.cfg.train.checkpoint_every
                 if every and result.outer_step % every == 0:
                     self._checkpoint()

@@ -55,7 +55,7 @@ __all__ = [
     "majority_tag",
 ]
 
-GATHER_VERSION = 1  # bump when GatherPayload's wire form changes (peers of another version never vote alike)
+GATHER_VERSION = 2  # bump when GatherPayload's wire form changes (peers of another version never vote alike)
 _MAX_COUNT = 2**53  # rounds and tokens beyond this are not plausible (and not exact as floats)
 _MAX_CHECKSUM_CHARS = 64
 _ALONE_POLICIES = ("local", "wait")
@@ -82,6 +82,11 @@ class GatherPayload:
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": GATHER_VERSION, "round": self.tag.round, "checksum": self.tag.checksum, "tokens": self.tokens}
+
+    def signed_bytes(self, prefix: str, peer_id: str) -> bytes:
+        """What the author signs (swarm/averager.py): the payload, bound to its author and to the run's averaging
+        prefix, so a leader can neither forge a member's payload nor move one to another member or run."""
+        return f"gather/{GATHER_VERSION}/{prefix}/{peer_id}/{self.tag.round}/{self.tag.checksum}/{self.tokens}".encode()
 
     @classmethod
     def from_wire(cls, raw: Any) -> GatherPayload | None:

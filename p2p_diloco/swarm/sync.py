@@ -24,9 +24,11 @@ Failure: nothing a donor sends raises here: an offer with another fingerprint, a
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,9 +37,45 @@ from p2p_diloco.engine import Worker
 from p2p_diloco.outer import OuterState
 from p2p_diloco.swarm.protocol import RoundTag
 
-__all__ = ["Offer", "StateSync"]
+__all__ = ["Offer", "StateSync", "Vouches"]
 
 log = logging.getLogger("p2p_diloco.sync")
+
+
+_MAX_ROUND = 2**53  # a round the checksum can pack and a float can hold exactly
+
+
+@dataclass
+class Vouches:
+    """What the run's signed announcements say about outer states (swarm/join.py builds it).
+
+    ``vouchers[tag]``: the peers that held ``tag`` in one of their recent rounds; ``holders[tag]``: the peers that
+    hold it now (the donors to try for it); ``peers``: how many peers of the run announced at all (self excluded).
+    """
+
+    vouchers: dict[RoundTag, set[str]] = field(default_factory=dict)
+    holders: dict[RoundTag, list[str]] = field(default_factory=dict)
+    peers: int = 0
+
+    def quorum(self, wanted: int) -> int:
+        """``swarm.state_quorum``, or all the peers there are when fewer (at least 1)."""
+        return max(1, min(wanted, self.peers))
+
+    def offers(self, wanted: int, mine: RoundTag) -> list[tuple[RoundTag, list[str]]]:
+        """(tag, donors) for every state some peer holds that enough peers vouch for (or that is our own), the
+        furthest round first. A tag vouched for by fewer peers is left out, whatever round it claims."""
+        quorum = self.quorum(wanted)
+        vouched = [
+            (tag, donors)
+            for tag, donors in self.holders.items()
+            if donors and (tag == mine or len(self.vouchers.get(tag, ())) >= quorum)
+        ]
+        return sorted(vouched, key=lambda item: (-item[0].round, item[0].checksum))
+
+    def unvouched(self, wanted: int, mine: RoundTag) -> list[RoundTag]:
+        """The tags peers hold that the swarm does not vouch for (logged: a faulty or lying peer)."""
+        good = {tag for tag, _ in self.offers(wanted, mine)}
+        return sorted(tag for tag in self.holders if tag not in good)
 
 
 @dataclass
@@ -56,10 +94,21 @@ class StateSync:
     """The outer state of one peer: every change and every download goes through here (see the module doc)."""
 
     def __init__(
-        self, worker: Worker, averager: Any, fingerprint: str, timeout: float, peers_present: Callable[[], bool]
+        self,
+        worker: Worker,
+        averager: Any,
+        fingerprint: str,
+        timeout: float,
+        peers_present: Callable[[], bool],
+        vouches: Callable[[], Vouches] = Vouches,
+        quorum: int = 2,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.worker, self.averager, self.fingerprint, self.timeout = worker, averager, fingerprint, timeout
-        self.peers_present = peers_present
+        self.peers_present, self.vouches, self.quorum = peers_present, vouches, quorum
+        self.on_change = on_change or (lambda: None)
+        self._served: tuple[int, dict[str, Any], list[torch.Tensor]] | None = None  # (version, meta, tensors)
+        self._tag: tuple[int, RoundTag] | None = None
         self.lock = threading.Lock()
         self.consensus = True  # the seed, a checkpoint or a download: nothing local-only yet
         self.version = 0  # bumped by every change of the outer state made here
@@ -68,48 +117,87 @@ class StateSync:
 
     # ---------------------------------------------------------------- serving
     def serve(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """(metadata, tensors) for a peer downloading our state; the lock is held only for the copy."""
+        """(metadata, tensors) for a peer downloading our state: one snapshot per state (the lock is held only for
+        its copy), served to every downloader until the state changes."""
+        served = self._served
+        if served is not None and served[0] == self.version:
+            return served[1], served[2]
         with self.lock:
-            snapshot = self.worker.state.copy()
-            consensus = self.consensus
+            version, snapshot, consensus = self.version, self.worker.state.copy(), self.consensus
         meta = {
             "round": snapshot.round,
             "checksum": snapshot.checksum(),
             "fingerprint": self.fingerprint,
             "consensus": consensus,
         }
+        self._served = (version, meta, snapshot.tensors())
         return meta, snapshot.tensors()
 
+    def tag(self) -> RoundTag:
+        """Our state's tag, computed once per state (the checksum hashes the whole state)."""
+        version, cached = self.version, self._tag
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        tag = self.worker.tag()
+        self._tag = (version, tag)
+        return tag
+
     # ---------------------------------------------------------------- fetching
-    def fetch(self) -> Offer | None:
-        """The state of the most advanced peer that shares it, verified; None (logged) when there is none."""
-        got = self.averager.load_state(self.timeout)
-        if got is None:
+    def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True) -> Offer | None:
+        """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts, from the first of its
+        holders whose offer checks out; None (logged) when there is none within ``swarm.state_timeout``."""
+        vouches, mine = self.vouches(), self.tag()
+        for tag in vouches.unvouched(self.quorum, mine):
+            log.warning(
+                "not downloading %s: fewer than %d peers vouch for it", tag, vouches.quorum(self.quorum)
+            )
+        deadline = time.monotonic() + self.timeout
+        for tag, donors in vouches.offers(self.quorum, mine):
+            if tag == mine or not wanted(tag):
+                continue
+            for donor in random.sample(donors, len(donors)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("no verified outer state within swarm.state_timeout=%gs", self.timeout)
+                    return None
+                offer = self._fetch_from(donor, tag, left)
+                if offer is not None:
+                    return offer
+        return None
+
+    def _fetch_from(self, donor: str, tag: RoundTag, timeout: float) -> Offer | None:
+        ours = self.worker.state.tensors()
+        got = self.averager.download(donor, timeout, len(ours), sum(t.numel() * t.element_size() for t in ours))
+        problem = got if isinstance(got, str) else self._check(*got, tag)
+        if problem:
+            log.warning("refused the outer state peer %s offered for %s: %s", donor[-8:], tag, problem)
             return None
         meta, tensors = got
-        problem = self._check(meta, tensors)
-        if problem:
-            log.warning("refused the outer state a peer offered: %s", problem)
-            return None
         state = OuterState.from_tensors(tensors, meta["round"])
-        if state.checksum() != meta["checksum"]:
-            log.warning("refused the outer state a peer offered: it fails its checksum")
+        if state.checksum() != tag.checksum:
+            log.warning(
+                "refused the outer state peer %s offered for %s: its tensors do not hash to it", donor[-8:], tag
+            )
             return None
-        return Offer(state, bool(meta.get("consensus", True)))
+        return Offer(state, meta.get("consensus") is True)
 
-    def _check(self, meta: Any, tensors: list[torch.Tensor]) -> str:
-        """Why an offer does not fit this peer ('' when it does)."""
+    def _check(self, meta: Any, tensors: Any, tag: RoundTag) -> str:
+        """Why an offer does not fit this peer or is not the state asked for ('' when it fits)."""
         if not isinstance(meta, dict) or meta.get("fingerprint") != self.fingerprint:
             return "it comes from a peer with other settings"
         rnd = meta.get("round")
-        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0 or not isinstance(meta.get("checksum"), str):
-            return f"its round/checksum metadata is malformed ({str(meta)[:80]})"
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd < _MAX_ROUND:
+            return f"its round metadata is malformed ({str(meta)[:80]})"
+        if rnd != tag.round:
+            return f"it is at round {rnd}, not {tag.round}"
         ours = self.worker.state.tensors()
-        if len(tensors) != len(ours):
-            return f"it holds {len(tensors)} tensors, this model's outer state has {len(ours)}"
+        if not isinstance(tensors, list) or len(tensors) != len(ours):
+            count = len(tensors) if isinstance(tensors, list) else "no list of"
+            return f"it holds {count} tensors, this model's state has {len(ours)}"
         for k, (theirs, mine) in enumerate(zip(tensors, ours, strict=True)):
-            if not isinstance(theirs, torch.Tensor) or theirs.shape != mine.shape:
-                return f"tensor {k} is {getattr(theirs, 'shape', type(theirs).__name__)}, expected {tuple(mine.shape)}"
+            if not isinstance(theirs, torch.Tensor) or theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+                what = f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor) else type(theirs)
+                return f"tensor {k} is {what}, expected {tuple(mine.shape)} {mine.dtype}"
         return ""
 
     # ---------------------------------------------------------------- changing the state
@@ -123,6 +211,7 @@ class StateSync:
             self.consensus = offer.consensus
             self.version += 1
         self.advertise()
+        self.on_change()
         log.info("%s: took the outer state at %s", why, offer.tag)
 
     def apply_outer(self, averaged: list[torch.Tensor], consensus: bool) -> float:
@@ -132,15 +221,13 @@ class StateSync:
             self.consensus = consensus
             self.version += 1
         self.advertise()
+        self.on_change()
         return lr
 
     def download(self, newer_than: int = -1) -> bool:
         """Take the swarm's state if one is offered past round ``newer_than`` (join: any; resume: a newer one)."""
-        offer = self.fetch()
+        offer = self.fetch(lambda tag: tag.round > newer_than)
         if offer is None:
-            return False
-        if offer.state.round <= newer_than:
-            log.info("the state offered is at round %d, not past ours (%d); kept ours", offer.state.round, newer_than)
             return False
         self.adopt(offer, "download")
         return True
@@ -148,7 +235,7 @@ class StateSync:
     def catch_up(self, group: RoundTag, averaged: list[torch.Tensor]) -> bool:
         """One round behind, our Δ counted: take the group's pre-round state and apply the same Δ̄ (or take the
         post-round state if the donor applied it already). Ends bitwise equal to the group."""
-        offer = self.fetch()
+        offer = self.fetch(lambda tag: tag == group or tag.round == group.round + 1)
         if offer is None:
             return False
         if offer.tag == group:
@@ -158,6 +245,7 @@ class StateSync:
                 self.worker.apply_outer(averaged)
                 self.consensus = True
             self.advertise()
+            self.on_change()
             return True
         if offer.state.round == group.round + 1:
             self.adopt(offer, "catch up")
@@ -172,7 +260,8 @@ class StateSync:
             return self.download()
         if not self.peers_present():
             return False
-        offer, mine = self.fetch(), self.worker.tag()
+        mine = self.tag()
+        offer = self.fetch(lambda tag: tag.round >= mine.round)
         if offer is None:
             return False
         same_round_better = offer.state.round == mine.round and (offer.consensus or offer.tag.checksum < mine.checksum)
