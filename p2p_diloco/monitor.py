@@ -1,7 +1,9 @@
 """The monitoring peer: read every peer's round record from the DHT, aggregate, show, keep a history.
 
 Inputs:  the signed per-peer records under ``f"{run_id}_metrics"`` (see swarm/records.py), read every
-         ``interval`` seconds by a DHT node of its own that trains nothing and writes nothing.
+         ``interval`` seconds by a DHT node of its own that trains nothing and writes nothing and runs
+         swarm/validators.py's ``make_validators`` (wrapped in swarm/reader.py's ``RejectCounter``); for a closed
+         run, the ``authorized`` peer ids (``swarm.authorized_keys``): records of other peers are ignored.
 Output:  a :class:`SwarmSummary` per refresh: printed (a redrawn table on a tty, otherwise one status line
          when something changed or a minute passed), appended as one JSON line to ``DIR/monitor.jsonl``, and
          served by monitor_http.py (``/status``, ``/metrics``, ``/``).
@@ -10,9 +12,10 @@ State:   :class:`SwarmTracker` keeps what one read cannot tell: peers alive at t
          eval loss and the highest round seen. A restarted monitor appends to the same file and takes the
          eval loss and the round count back from its last line.
 Failure: no peers yet -> a summary with ``num_peers == 0`` and a "waiting" line, never an error. Entries
-         under the key that fail the signature or schema check are refused by hivemind inside the DHT
-         process; swarm/reader.py's ``RejectCounter`` (a validator wrapper writing to a pipe) lets the host
-         count them, and :class:`Monitor` warns once per owner key. A read that times out keeps the last
+         under the key that fail the guard, signature, schema or bounds check are refused by hivemind inside the
+         DHT process; swarm/reader.py's ``RejectCounter`` (a validator wrapper writing to a pipe) lets the host
+         count them, and :class:`Monitor` warns once per owner key. Records of unlisted peers in a closed run are
+         not counted as bad: logged once per peer id at info level. A read that times out keeps the last
          view, sets ``error`` and retries at the next refresh.
 
 Definitions (what the numbers mean):
@@ -347,8 +350,10 @@ class Monitor:
         rejects: RejectCounter | None = None,
         console: ConsoleView | None = None,
         stop: threading.Event | None = None,
+        authorized: frozenset[str] | None = None,
     ) -> None:
         self.dht, self.run_id, self.interval, self.rejects = dht, run_id, interval, rejects
+        self.authorized = authorized
         self.history = History(out_dir)
         self.tracker = SwarmTracker(run_id, resume_from=self.history.last())
         self.console = console
@@ -363,6 +368,10 @@ class Monitor:
             return self._latest
 
     def _warn(self, reading: Reading) -> None:
+        for peer in reading.ignored:
+            if peer not in self._warned:
+                self._warned.add(peer)
+                log.info("ignoring records of peer %s: not in swarm.authorized_keys (logged once per peer)", peer)
         for reason, digest in reading.bad:
             if digest in self._warned:
                 continue
@@ -379,7 +388,9 @@ class Monitor:
         now = time.time()
         try:
             timeout = max(10.0, 2 * self.interval)
-            reading = read_swarm(self.dht, self.run_id, timeout=timeout, rejects=self.rejects, stop=self.stop)
+            reading = read_swarm(
+                self.dht, self.run_id, timeout=timeout, rejects=self.rejects, stop=self.stop, authorized=self.authorized
+            )
         except TimeoutError as exc:
             if self.stop.is_set() and self._latest is not None:
                 return self._latest  # asked to exit mid-read: nothing new to record

@@ -16,7 +16,18 @@ Usage (copy-paste):
 
     # same as `python -m peers.run_bootstrap ...` from the repository root
 
+    # a bootstrap node for two runs (it validates both runs' records)
+    run_bootstrap --port 31337 --run-id tiny-demo --run-id small-demo
+
 Without --initial-peers it reads $P2P_DILOCO_INITIAL_PEERS, and starts a new swarm when that is unset too.
+What it validates (p2p_diloco/swarm/validators.py), on every store it is asked for and every record it reads:
+  every key    values up to 64 KiB, subkeys up to 4 KiB, valid msgpack; no "[signature:" text in an unsigned
+               record (it would hang every reader's lookup); signed subkeys ([owner:<RSA key>]) writable only
+               by their key's signature. hivemind's own averager keys pass.
+  each --run-id NAME (default: the default config's swarm.run_id)
+               NAME_metrics      signed per-peer round records: exact fields and types, peer_id = the signer's,
+                                 a time near this node's clock, finite and bounded numbers
+               NAME_fingerprint  signed per-peer announcements: fingerprint, summary, round, states, exact types
 Output: the ``--initial-peers ...`` line first (stdout, flushed), then every visible multiaddr, one per line.
 Runs until SIGINT/SIGTERM, then shuts the DHT and its p2pd down.
 Exit codes (as run_peer and run_monitor): 0 stopped by SIGINT/SIGTERM; 2 bad input (a malformed address, a busy
@@ -43,6 +54,7 @@ from p2p_diloco.swarm.dht import (
     start_dht,
     visible_maddrs,
 )
+from p2p_diloco.swarm.validators import make_validators
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_initial_peers_argument(parser, "other bootstrap nodes to link with")
     parser.add_argument(
+        "--run-id",
+        dest="run_ids",
+        action="append",
+        metavar="NAME",
+        help="a run whose records this node validates (repeatable; default: "
+        f"{SwarmConfig().run_id!r}, the default swarm.run_id); every key gets the guard checks regardless",
+    )
+    parser.add_argument(
         "--join-timeout",
         type=float,
         default=SwarmConfig().join_timeout,
@@ -96,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         return _error(f"--port {args.port} is not a TCP port (0..65535; 0 picks a free one)")
     host_maddrs = args.host_maddrs or [f"/ip4/0.0.0.0/tcp/{args.port}"]
+    run_ids = args.run_ids or [SwarmConfig().run_id]
+    bad = [r for r in run_ids if not r or "." in r or " " in r]
+    if bad:
+        return _error(f"--run-id {bad[0]!r} is not a run id (a non-empty name without '.' or spaces)")
+    validators = make_validators(run_ids, None)  # a fresh signing key: the bootstrap writes nothing
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, _interrupt)
@@ -118,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 announce_maddrs=args.announce_maddrs,
                 identity_path=args.identity_path,
                 join_timeout=args.join_timeout,
+                record_validators=validators,
                 new_swarm=not peers,
             )
         except SwarmUnreachableError as exc:

@@ -7,13 +7,18 @@ Usage:
     #   http://127.0.0.1:8080/status   JSON summary;   /metrics  Prometheus text format
     # behind NAT or a firewall that blocks incoming connections:
     run_monitor --initial-peers ... --run-id tiny-demo --out runs/monitor --client-mode
+    # a closed run: the peers' config gives swarm.run_id and swarm.authorized_keys (unlisted peers are ignored)
+    run_monitor --initial-peers ... --config configs/tiny.yaml --out runs/monitor
+    run_monitor --initial-peers ... --run-id tiny-demo --authorized-keys keys.txt --out runs/monitor
     # PNG plots from a monitor history and peers' logs (written to runs/monitor/plots/ unless --plot-out)
     run_monitor --plot runs/monitor --peer-logs runs/peer0 runs/peer1
 
 Every --interval seconds it reads the run's per-peer records, prints one status line when something changed
 (a redrawn table on a terminal) and appends a JSON line to OUT/monitor.jsonl (a restart continues the file).
-Exit codes: 0 stopped by SIGINT/SIGTERM (or plots written); 2 bad input (address, busy port, nothing to plot);
-3 no initial peer answered; 1 anything unexpected.
+Its DHT node runs the swarm's validators (p2p_diloco/swarm/validators.py: signatures, the guard on every key, the
+run's schemas and record bounds); what they refuse is counted as bad records.
+Exit codes: 0 stopped by SIGINT/SIGTERM (or plots written); 2 bad input (address, busy port, nothing to plot, a bad
+config or authorized-keys file); 3 no initial peer answered; 1 anything unexpected.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import sys
 import threading
 from pathlib import Path
 
-from p2p_diloco.config import SwarmConfig
+from p2p_diloco.config import ConfigError, SwarmConfig, load_config
 from p2p_diloco.monitor import HISTORY_FILE, ConsoleView, Monitor
 from p2p_diloco.monitor_http import PlotCache, PortInUseError, bind
 from p2p_diloco.plots import write_plots
@@ -38,8 +43,9 @@ from p2p_diloco.swarm.dht import (
     shutdown_dht,
     start_dht,
 )
+from p2p_diloco.swarm.identity import IdentityError, read_authorized_keys
 from p2p_diloco.swarm.reader import RejectCounter
-from p2p_diloco.swarm.records import make_record_validators
+from p2p_diloco.swarm.validators import make_validators
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,7 +57,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_initial_peers_argument(p)
     p.add_argument("--out", type=Path, help="directory for monitor.jsonl (and plots/)")
-    p.add_argument("--run-id", default=SwarmConfig().run_id, help="the peers' swarm.run_id (default %(default)s)")
+    p.add_argument(
+        "--config", type=Path, help="the peers' YAML config: gives the default --run-id and --authorized-keys"
+    )
+    p.add_argument(
+        "--run-id",
+        default=None,
+        help=f"the peers' swarm.run_id (default: --config's, else {SwarmConfig().run_id})",
+    )
+    p.add_argument(
+        "--authorized-keys",
+        type=Path,
+        metavar="FILE",
+        help="closed run: public keys whose records count, one a line (default: --config's swarm.authorized_keys)",
+    )
     p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (default %(default)s)")
     p.add_argument("--port", type=int, default=None, help="HTTP port for /, /status, /metrics (0: any free one)")
     p.add_argument("--http-host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: all interfaces)")
@@ -68,6 +87,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _fail(message: str, code: int) -> int:
     print(f"run_monitor: {message}", file=sys.stderr, flush=True)
     return code
+
+
+def run_settings(args: argparse.Namespace) -> tuple[str, frozenset[str] | None]:
+    """(run id, authorized peer ids or None) from the flags and --config. Raises ConfigError / IdentityError."""
+    swarm = load_config(args.config).swarm if args.config is not None else SwarmConfig()
+    run_id = args.run_id if args.run_id is not None else swarm.run_id
+    keys = args.authorized_keys if args.authorized_keys is not None else swarm.authorized_keys
+    return run_id, read_authorized_keys(keys) if keys is not None else None
 
 
 def plot(args: argparse.Namespace) -> int:
@@ -92,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--out DIR is required (where monitor.jsonl goes); or use --plot DIR", 2)
     if args.interval <= 0:
         return _fail(f"--interval {args.interval} must be > 0 seconds", 2)
+    try:
+        run_id, authorized = run_settings(args)
+    except (ConfigError, IdentityError) as exc:
+        return _fail(str(exc), 2)
 
     stop, starting = threading.Event(), [True]
 
@@ -117,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             plots = PlotCache(args.out / HISTORY_FILE, args.peer_logs)
             refresh_ms = int(args.interval * 1000)
             server = bind(args.http_host, args.port, lambda: monitor.latest if monitor else None, refresh_ms, plots)
-        validators, _ = make_record_validators(args.run_id)
-        rejects = RejectCounter(validators, args.run_id)
+        rejects = RejectCounter(make_validators(run_id, None), run_id)
         dht = start_dht(
             initial,
             host_maddrs=args.host_maddrs,
@@ -128,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             record_validators=[rejects],
         )
         rejects.close_host_end()
-        monitor = Monitor(dht, args.run_id, args.out, args.interval, rejects, ConsoleView(sys.stdout), stop)
-        print(f"monitor {dht.peer_id} watching run {args.run_id!r}; history: {monitor.history.path}", flush=True)
+        monitor = Monitor(
+            dht, run_id, args.out, args.interval, rejects, ConsoleView(sys.stdout), stop, authorized=authorized
+        )
+        closed = f" (closed: {len(authorized)} authorized peers)" if authorized is not None else ""
+        print(f"monitor {dht.peer_id} watching run {run_id!r}{closed}; history: {monitor.history.path}", flush=True)
         if server is not None:
             server.start()
             print(f"monitor page: {server.url}  (/status, /metrics)", flush=True)

@@ -110,7 +110,13 @@ def install(attack: str, scale: float) -> None:
         _after_start(TrainingPeer, lambda peer: threading.Thread(target=_litter, args=(peer,), daemon=True).start())
     else:
         raise SystemExit(f"attack_peer.py: unknown attack {attack!r} (one of {', '.join(ATTACKS)})")
-    _after_start(TrainingPeer, lambda peer: PEER.update(peer=peer))
+    start = TrainingPeer.start
+
+    def registered(self):  # type: ignore[no-untyped-def]
+        PEER["peer"] = self  # its worker exists before the first announcement
+        start(self)
+
+    TrainingPeer.start = registered
 
 
 PEER: dict[str, object] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,19 +37,25 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
     """Run the 4-peer swarm (peer 3 attacks when ``attack`` is given); the honest peers' records and losses."""
     _, initial = start_bootstrap(spawn)
     dirs = [out / f"peer{k}" for k in range(4)]
-    honest = [start_peer(spawn, initial, d, *SWARM, f"data.shard_index={k}") for k, d in enumerate(dirs[:3])]
+    linger = ["swarm.linger_seconds=20"] if late_joiner else []  # they serve the joiner until it is in
+    honest = [start_peer(spawn, initial, d, *SWARM, *linger, f"data.shard_index={k}") for k, d in enumerate(dirs[:3])]
     prefix = [*ATTACK_PEER, *attack] if attack else None
     third = start_peer(spawn, initial, dirs[3], *SWARM, "data.shard_index=3", prefix=prefix)
     joined = None
     if late_joiner:
-        honest[0].wait_for_line(rf"^round [3-{ROUNDS}]/{ROUNDS} ", timeout=240)
+        honest[0].wait_for_line(rf"^round [2-{ROUNDS}]/{ROUNDS} ", timeout=240)
         late = start_peer(spawn, initial, out / "late", *SWARM, "data.shard_index=0", "swarm.start_peers=1")
         match = late.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=120)
         joined = {"round": int(match.group(1)), "checksum": match.group(2), "output": late.describe()}
         honest.append(late)
     finish(honest, timeout=240)
+    try:  # an attacker the others stopped grouping with is still waiting for a group: its own run is not the test
+        third.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        third.kill_group()
     attacker_output = third.describe()
-    third.wait(timeout=60)
+    if attack:  # the attacker got as far as training (its attack is what the honest peers met)
+        assert "joined at round" in attacker_output, attacker_output[-3000:]
     final = {d.name: [r for r in records(d) if r.get("eval_loss") is not None][-1:] for d in dirs[:3]}
     checksums = {d.name: {r["outer_step"]: r["checksum"] for r in records(d)} for d in dirs[:3]}
     return {
@@ -107,10 +114,11 @@ def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_ho
     attacked = run_swarm(spawn, tmp_path, ("donor", "6"), late_joiner=True)
     joined = attacked["joined"]
     donors = {r["outer_step"]: r["checksum"] for r in records(tmp_path / "peer0")}
-    assert 3 <= joined["round"] <= ROUNDS and donors.get(joined["round"]) == joined["checksum"], joined
+    assert 2 <= joined["round"] <= ROUNDS and donors.get(joined["round"]) == joined["checksum"], joined
     assert "fewer than 2 peers vouch" in joined["output"], joined["output"][-3000:]
-    late = records(tmp_path / "late")
-    assert late and max(r["outer_step"] for r in late) <= ROUNDS, late
+    late = records(tmp_path / "late")  # none when it joined at the last round
+    assert all(r["outer_step"] <= ROUNDS for r in late), late
+    print("late joiner:", {k: v for k, v in joined.items() if k != "output"}, "rounds it trained:", len(late))
     check_against_all_honest(attacked, all_honest, ("donor", "6"))
 
 

@@ -102,6 +102,11 @@ def test_cli_flags(capsys):
     assert "not both" in capsys.readouterr().err
     assert main(["--port", "70000"]) == 2
     assert "not a TCP port" in capsys.readouterr().err
+    assert build_parser().parse_args(["--run-id", "a", "--run-id", "b"]).run_ids == ["a", "b"]
+    assert main(["--run-id", "has.dot"]) == 2
+    assert "not a run id" in capsys.readouterr().err
+    help_text = build_parser().format_help()
+    assert "What it validates" in help_text and "NAME_metrics" in help_text and "NAME_fingerprint" in help_text
 
 
 @pytest.mark.timeout(10)

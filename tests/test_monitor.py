@@ -34,8 +34,10 @@ from p2p_diloco.monitor import ConsoleView, History, SwarmTracker, current_round
 from p2p_diloco.monitor_http import PlotCache, PortInUseError, bind, make_registry
 from p2p_diloco.plots import PLOT_NAMES, render_plots, write_plots
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht
+from p2p_diloco.swarm.identity import owner_of, peer_id_of
 from p2p_diloco.swarm.reader import RejectCounter, parse_entries
-from p2p_diloco.swarm.records import PeerRecord, make_record_validators, metrics_key
+from p2p_diloco.swarm.records import PeerRecord, metrics_key
+from p2p_diloco.swarm.validators import make_validators
 from scripts.procs import Proc, live_group_members, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,18 +145,28 @@ def test_summary_json_has_no_nan_and_console_prints_only_changes(tmp_path):
     assert history.last()["round"] == 4
 
 
+def signer() -> tuple[list, bytes, str]:
+    """A node's validators, its subkey and the peer id its records carry."""
+    validators = make_validators(RUN)
+    subkey = validators[0].local_public_key
+    return validators, subkey, peer_id_of(owner_of(subkey))
+
+
 @pytest.mark.timeout(30)
 def test_parse_entries_keeps_expiry_and_names_owners():
-    (_, key_a), (_, key_b) = make_record_validators(RUN), make_record_validators(RUN)
+    (_, key_a, peer_a), (_, key_b, peer_b), (_, key_c, _) = signer(), signer(), signer()
     entries = {
-        key_a: ValueWithExpiration(record("A", 1, time=5.0).model_dump(), 100.0),
-        key_b: ValueWithExpiration(record("A", 2, time=6.0).model_dump(), 200.0),  # same peer, newer: wins
+        key_a: ValueWithExpiration(record(peer_a, 1, time=5.0).model_dump(), 100.0),
+        key_b: ValueWithExpiration(record(peer_b, 2, time=6.0).model_dump(), 200.0),
+        key_c: ValueWithExpiration(record(peer_a, 3, time=7.0).model_dump(), 300.0),  # c reports under a's id
         b"[owner:x]": ValueWithExpiration({"peer_id": "C"}, 300.0),
     }
     records, expirations, owners, bad = parse_entries(entries)
-    assert records["A"].outer_step == 2 and expirations == {"A": 200.0}
-    assert sorted(owners.values()) == ["A", "A"] and len(bad) == 1
+    assert records[peer_a].outer_step == 1 and expirations == {peer_a: 100.0, peer_b: 200.0}
+    assert sorted(owners.values()) == sorted([peer_a, peer_b]) and len(bad) == 2
     assert parse_entries("plain")[3] == ["<plain value>"]
+    records, expirations, owners, bad = parse_entries(entries, authorized=frozenset({peer_b}))
+    assert set(records) == {peer_b} and len(bad) == 2  # a is not listed: ignored, not bad
 
 
 def _dht_record(value: object, subkey: bytes, signer: list) -> DHTRecord:
@@ -169,21 +181,45 @@ def _dht_record(value: object, subkey: bytes, signer: list) -> DHTRecord:
 
 @pytest.mark.timeout(30)
 def test_reject_counter_validates_like_the_validators_and_reports_refusals():
-    validators_a, key_a = make_record_validators(RUN)
-    validators_b, _ = make_record_validators(RUN)
-    counter = RejectCounter(make_record_validators(RUN)[0], RUN)
-    good = _dht_record(record("A").model_dump(), key_a, validators_a)
+    (validators_a, key_a, peer_a), (validators_b, _, _) = signer(), signer()
+    counter = RejectCounter(make_validators(RUN), RUN)
+    now = get_dht_time()
+    good = _dht_record(record(peer_a, time=now).model_dump(), key_a, validators_a)
     assert counter.validate(good) and counter.drain() == []
-    bad_schema = _dht_record({"peer_id": "A", "garbage": True}, key_a, validators_a)
-    forged = _dht_record(record("A", 99).model_dump(), key_a, validators_b)  # b cannot sign for a's subkey
-    junk_key = _dht_record(record("A").model_dump(), b"[owner:not a key]", validators_a)
-    assert not counter.validate(bad_schema) and not counter.validate(forged) and not counter.validate(junk_key)
+    bad_schema = _dht_record({"peer_id": peer_a, "garbage": True}, key_a, validators_a)
+    forged = _dht_record(record(peer_a, 99, time=now).model_dump(), key_a, validators_b)  # b cannot sign for a
+    junk_key = _dht_record(record(peer_a, time=now).model_dump(), b"[owner:not a key]", validators_a)
+    future = _dht_record(record(peer_a, time=1e18).model_dump(), key_a, validators_a)
+    hang = _dht_record({"round": "[signature:xyz]"}, b"evil", validators_a)  # unsigned: would hang readers
+    for rec in (bad_schema, forged, junk_key, future, hang):
+        assert not counter.validate(rec)
     reports = counter.drain()
-    assert [r for r, _ in reports] == ["schema", "signature", "error"]
-    assert reports[0][1] == reports[1][1]  # same owner key: a's
+    assert [r for r, _ in reports] == ["schema", "signature", "owner-key", "bounds", "signature-text"]
+    assert reports[0][1] == reports[1][1] == reports[3][1]  # same owner key: a's
     other_key = dataclasses.replace(bad_schema, key=DHTID.generate(source="other").to_bytes())
     counter.validate(other_key)
     assert counter.drain() == []  # only the run's key is counted
+
+
+@pytest.mark.timeout(30)
+def test_run_monitor_refuses_a_bad_authorized_keys_file_or_config(tmp_path, capsys):
+    from peers.run_monitor import main, parse_args, run_settings
+
+    bad = tmp_path / "keys.txt"
+    bad.write_text("not a key\n")
+    assert main(["--out", str(tmp_path / "m"), "--authorized-keys", str(bad)]) == 2
+    assert "line 1 is not an RSA public key" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path / "m"), "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    _, subkey, peer = signer()
+    good = tmp_path / "good.txt"
+    good.write_text(f"# the organiser's list\n{owner_of(subkey).decode()}\n")
+    args = parse_args(
+        ["--out", str(tmp_path), "--config", str(ROOT / "configs" / "tiny.yaml"), "--authorized-keys", str(good)]
+    )
+    run_id, authorized = run_settings(args)
+    assert authorized == frozenset({peer}) and run_id  # the run id from the config
+    assert run_settings(parse_args(["--out", str(tmp_path), "--run-id", "x"])) == ("x", None)
 
 
 def _fake_summary():
@@ -419,8 +455,8 @@ def test_garbage_record_is_ignored_counted_and_warned_once(swarm):
     node = start_dht(swarm["initial"], host_maddrs=LOCAL[1:], join_timeout=30, record_validators=[signer])
     try:
         garbage = {"peer_id": "ghost", "train_loss": "lots"}
-        # stored by this node and the bootstrap (no validators); refused by the peers and the monitor. store()'s
-        # answer is the nearest replica's, so it may be False even though garbage now sits in the DHT
+        # stored by this node (it runs no schema check); refused by the bootstrap, the peers and the monitor.
+        # store()'s answer is the nearest replica's, so it may be False even though garbage now sits in the DHT
         node.store(metrics_key(RUN), garbage, get_dht_time() + 30, subkey=signer.local_public_key)
         status = wait_status(swarm["url"], lambda s: s["bad_records_total"] >= before + 3, timeout=60)
     finally:

@@ -1,5 +1,6 @@
 """Signed per-peer records in the DHT: both peers' records are read back, a peer cannot overwrite another's
-subkey, malformed values are refused on store, and what does reach a reader unparsed is counted."""
+subkey nor report under another's id, malformed values are refused on store, and what does reach a reader
+unparsed is counted. (tests/test_validators.py: the validators themselves, strangers' garbage, the bootstrap.)"""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht, visible_maddrs, wait_for_peers
+from p2p_diloco.swarm.identity import owner_of, peer_id_of
 from p2p_diloco.swarm.records import (
     PeerRecord,
     _PeerRecordWire,
-    make_record_validators,
     metrics_key,
     parse_records,
     publish_record,
     read_records,
 )
+from p2p_diloco.swarm.validators import make_validators
 from scripts.procs import descendants, wait_until
 
 RUN = "test-run"
@@ -57,32 +59,40 @@ def test_wire_schema_matches_peer_record():
     _PeerRecordWire.parse_obj(dumped)
 
 
+def signer_key() -> tuple[bytes, str]:
+    """A fresh signer's subkey and the peer id its records must carry (what make_validators gives a node)."""
+    subkey = make_validators(RUN)[0].local_public_key
+    return subkey, peer_id_of(owner_of(subkey))
+
+
 @pytest.mark.timeout(10)
 def test_parse_records_counts_garbage():
-    (_, key_a), (_, key_b) = make_record_validators(RUN), make_record_validators(RUN)
+    (key_a, peer_a), (key_b, peer_b), (key_c, _) = signer_key(), signer_key(), signer_key()
     assert key_a != key_b  # a fresh RSA key per call: several DHTs in one process must not share one
-    old, new = record("A", step=1, time=100.0), record("A", step=2, time=200.0)
     later = get_dht_time() + 60
     entries = {
-        key_a: ValueWithExpiration(old.model_dump(), later),
-        key_b: ValueWithExpiration(new.model_dump(), later),  # same peer id, newer: wins
+        key_a: ValueWithExpiration(record(peer_a, step=1, time=100.0).model_dump(), later),
+        key_b: ValueWithExpiration(record(peer_b, step=2, time=200.0).model_dump(), later),
+        key_c: ValueWithExpiration(record(peer_a, step=9).model_dump(), later),  # c reports under a's id
         b"[owner:xyz]": ValueWithExpiration({"peer_id": "C"}, later),  # missing fields
         b"junk": ValueWithExpiration(record("D").model_dump(), later),  # not an owner subkey
         b"[owner:e]": ValueWithExpiration("not a dict", later),
     }
     records, bad = parse_records(entries)
-    assert set(records) == {"A"} and records["A"].outer_step == 2
-    assert bad == 3
+    assert set(records) == {peer_a, peer_b} and records[peer_a].outer_step == 1
+    assert bad == 4
     assert parse_records("plain value") == ({}, 1)
-    assert parse_records(entries, max_age=60)[0] == {}  # time=100/200: long ago
+    assert parse_records(entries, max_age=60) == ({}, 4)  # time=100/200: long ago, not bad
+    assert set(parse_records(entries, authorized=frozenset({peer_b}))[0]) == {peer_b}
 
 
 @pytest.mark.swarm
 @pytest.mark.timeout(60)
 def test_records_signed_validated_and_read_back():
     before = {pid for pid, _, _ in descendants(os.getpid())}
-    validators_a, key_a = make_record_validators(RUN)
-    validators_b, key_b = make_record_validators(RUN)
+    validators_a, validators_b = make_validators(RUN), make_validators(RUN)
+    key_a, key_b = validators_a[0].local_public_key, validators_b[0].local_public_key
+    peer_a, peer_b = peer_id_of(owner_of(key_a)), peer_id_of(owner_of(key_b))
     dhts = []
     try:
         a = start_dht([], new_swarm=True, host_maddrs=LOCAL, join_timeout=10, record_validators=validators_a)
@@ -91,19 +101,20 @@ def test_records_signed_validated_and_read_back():
         dhts.append(b)
         wait_for_peers(b, 1, timeout=10)
 
-        rec_a, rec_b = record("peer-a"), record("peer-b", train_loss=float("nan"), eval_loss=3.0)
+        rec_a, rec_b = record(peer_a), record(peer_b, train_loss=float("nan"), eval_loss=3.0)
         assert publish_record(a, RUN, rec_a, ttl=60, public_key=key_a)
         assert publish_record(b, RUN, rec_b, ttl=60, public_key=key_b)  # a NaN loss is still reported
         for reader in (a, b):
             records, bad = read_records(reader, RUN, timeout=15)
-            assert bad == 0 and set(records) == {"peer-a", "peer-b"}
-            assert records["peer-a"] == rec_a
-            assert records["peer-b"].eval_loss == 3.0 and records["peer-b"].train_loss != records["peer-b"].train_loss
+            assert bad == 0 and set(records) == {peer_a, peer_b}
+            assert records[peer_a] == rec_a
+            assert records[peer_b].eval_loss == 3.0 and records[peer_b].train_loss != records[peer_b].train_loss
 
-        # b cannot write a's subkey (it cannot sign for a's key), nor store values that break the schema
-        assert not publish_record(b, RUN, record("peer-a", step=99), ttl=60, public_key=key_a)
+        # b cannot write a's subkey (it cannot sign for a's key), nor report under a's id, nor break the schema
+        assert not publish_record(b, RUN, record(peer_a, step=99), ttl=60, public_key=key_a)
+        assert not publish_record(b, RUN, record(peer_a, step=99), ttl=60, public_key=key_b)
         expires = get_dht_time() + 60
-        assert not a.store(metrics_key(RUN), {"peer_id": "peer-a"}, expires, subkey=key_a)
+        assert not a.store(metrics_key(RUN), {"peer_id": peer_a}, expires, subkey=key_a)
         wrong_type = dict(rec_a.model_dump(), tokens_per_second=5)  # int where the schema wants a float
         assert not a.store(metrics_key(RUN), wrong_type, expires, subkey=key_a)
         assert not a.store(metrics_key(RUN), "plain", expires)  # a plain value under the dictionary key
@@ -115,7 +126,7 @@ def test_records_signed_validated_and_read_back():
         c.store(metrics_key(RUN), {"garbage": True}, expires, subkey=key_a)
         for reader in (a, b):
             records, bad = read_records(reader, RUN, timeout=15)
-            assert set(records) == {"peer-a", "peer-b"} and records["peer-a"] == rec_a
+            assert set(records) == {peer_a, peer_b} and records[peer_a] == rec_a
             assert bad == 0
 
         # a monitor: client mode, its own validators, reads everything and writes nothing
@@ -124,11 +135,11 @@ def test_records_signed_validated_and_read_back():
             host_maddrs=LOCAL,
             join_timeout=10,
             client_mode=True,
-            record_validators=make_record_validators(RUN)[0],
+            record_validators=make_validators(RUN),
         )
         dhts.append(monitor)
         records, bad = read_records(monitor, RUN, timeout=15)
-        assert set(records) == {"peer-a", "peer-b"} and bad == 0
+        assert set(records) == {peer_a, peer_b} and bad == 0
 
         # what reaches a reader unparsed is counted (here: a reader without validators, unsigned garbage)
         other = "other-run"

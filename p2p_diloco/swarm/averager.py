@@ -6,16 +6,27 @@ Inputs:  ``reduce(pseudo_grads, weight, payload)``: one fp32 CPU tensor per para
          ``aggregation`` rule and clip (robust.py; ``swarm.aggregation``) and ``max_tokens``, the most tokens one
          round can hold (robust.max_round_tokens). A reducer weighs each sender by the tokens its payload
          declared when its Δ counts and its wire weight says the same (0 otherwise), not by the wire weight.
+         ``identity`` (identity.py): our payload is signed with it, bound to our peer id and the prefix, and every
+         member's payload must carry a valid signature by the key its peer id stands for, else it is dropped and
+         counted (a leader relays the group's payloads: it can drop one, never forge one). ``authorized``: the
+         peer ids of a closed run (None: open).
 Output:  ``(averaged, ReduceInfo)``: EITHER the weighted mean over a group where every member contributed
          and received every part (``complete``; bitwise equal on all members), OR copies of the local
          pseudo-grads (``complete`` False, ``group_size`` 1, ``reason`` says why). Never a partial mean.
          ``ReduceInfo.gathered`` holds the members' payloads, parsed once in the averager process (malformed
          entries dropped and counted). A member whose Δ does not count (``protocol.decide``) sends weight 0.
 State:   hivemind's averager child process with the shared-memory buffers (overwritten by each attempt);
-         the state provider that serves late joiners (called in the host, in hivemind's fetch thread).
+         the state provider that serves late joiners (called in the host, in hivemind's fetch thread). In the
+         averager process: the recent downloads per peer (at most ``max_state_downloads`` a minute each; more get
+         an empty stream), and the reducers caught lying (``BAN_SECONDS``): like unlisted peers of a closed run,
+         they are refused as followers (``rpc_join_group``), a group holding one is left before any part is sent,
+         and they get no state.
 Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, before any network work. Network
          failures never raise: no group -> local result at once; incomplete or failed all-reduce -> retry on
          freshly copied buffers while ``max_reduce_attempts`` and ``round_deadline`` allow, else local.
+         ``download`` never raises either: a refusal, a timeout, more tensors or bytes than asked for, a stream
+         that stalls for ``next_chunk_timeout``: a line saying why. A reducer whose averaged part is too long to
+         be an average of parts its rule accepts (butterfly.py) fails the attempt for this member and is banned.
 
 Completeness (hivemind 1.1.12 returns success for a partly failed all-reduce). ``_aggregate_with_group``
 (averager.py:514) is overridden; it runs ``_ExactRunner`` and then every member judges its own view:
@@ -39,7 +50,10 @@ framing and encryption (``ExactRunner`` counts them; the vote's few bytes are no
 slice to ``n - 1`` members, ``4 ((S - m) + (n - 1) m)`` bytes (about ``2 (n - 1) / n`` of the vector), and
 receives as much; the messages add a few dozen bytes each to that.
 
-State sharing: ``get_current_state`` serves the provider's output without the averager's tensor lock. The stock
+State sharing: donors are chosen by the caller (sync.py: peers whose signed announcements vouch for the state),
+never from hivemind's unsigned ``all_averagers`` key, and ``download`` reads their stream with our own bounds
+(hivemind's ``load_state_from_peers`` reads that key without a deadline inside this process).
+``get_current_state`` serves the provider's output without the averager's tensor lock. The stock
 one takes it, and an all-reduce holds it all round: measured (200 MB, next_chunk_timeout 2 s), a download from
 a donor that was averaging failed with TimeoutError; lock-free, it succeeded first try. Sharing starts with
 ``set_state_provider``.

@@ -2,11 +2,14 @@
 
 Inputs:  the DHT node, the Config, this peer's fingerprint and its summary (fingerprint.py), PeerOptions (the
          log dir, ``--resume`` / ``--new-swarm``, the stop Event), a StateSync for downloads.
-Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint`` (one subkey per peer: its
-         fingerprint, the summary and its round; refreshed after every round) and the others' announcements;
-         ``first_state``: the worker holds its starting outer state (checkpoint, seed or the swarm's) when it
-         returns; ``wait_for_start_peers``: holds round 1 until ``swarm.start_peers`` peers are up.
-State:   none beyond the DHT entries, which expire ``swarm.record_ttl`` after the last announcement.
+Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint`` (one signed subkey per peer, its
+         owner key: only that key can write it, and the key names the peer id, so nobody announces for another peer;
+         its fingerprint, the summary, its round and the tags of its last 8 outer states, the last one the state
+         it holds; refreshed after every change of the state and every round) and the others' announcements
+         (``vouches``: what sync.py's downloads trust); ``first_state``: the worker holds its starting outer state
+         (checkpoint, seed or the swarm's) when it returns; ``wait_for_start_peers``: holds round 1 until
+         ``swarm.start_peers`` peers are up. In a closed run only the listed peers' announcements count.
+State:   our recent tags; the DHT entries, which expire ``swarm.record_ttl`` after the last announcement.
          Every DHT read and write here has a deadline (``swarm.dht_timeout``; dht.bounded): a lookup that never
          answers (a stranger's unparseable value under the key, a dead DHT) reads as "no other peer" and a write
          as not stored, with one warning per kind.
@@ -127,10 +130,6 @@ class Membership:
         """Announcements of the other peers that share our fingerprint (they can average with us)."""
         return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
 
-    def newest_round(self) -> int:
-        """The highest round a peer with our settings announced (0 when none)."""
-        return max((_round_of(v) for v in self.mates()), default=0)
-
     def vouches(self) -> Vouches:
         """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch)."""
         out = Vouches()
@@ -193,7 +192,7 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
             except ValueError as exc:
                 raise CheckpointError(f"{ckpt}: {exc}") from None
         log.info("resumed from %s (round %d, %d batches read)", ckpt, state.round, worker.batches_taken)
-        if members.newest_round() > state.round:  # the swarm moved on meanwhile: take its state first
+        if sync.vouched_past(state.round):  # the swarm moved on meanwhile: take its state first
             sync.download(newer_than=state.round)
         return
     if opts.new_swarm:
@@ -203,19 +202,16 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
     while time.monotonic() < deadline and not opts.stop.is_set():
         if sync.download():
             return
-        if not any(_round_of(v) > 0 for v in members.others().values()):
-            log.info("no peer of this run holds a trained state yet: starting from seed %d", cfg.seed)
+        if not sync.vouched_past(0):  # a lone claim of a trained state (a faulty or lying peer) is not one
+            log.info("no peer of this run holds a trained state the swarm vouches for: starting from seed %d", cfg.seed)
             return
         time.sleep(1.0)
     raise SwarmSetupError(
-        f"peers of run {cfg.swarm.run_id!r} exist, but none sent its outer state within "
-        f"swarm.join_timeout={cfg.swarm.join_timeout:g}s: retry, or raise swarm.join_timeout"
+        f"peers of run {cfg.swarm.run_id!r} exist, but none sent an outer state that enough peers vouch for within "
+        f"swarm.join_timeout={cfg.swarm.join_timeout:g}s (the lines above say why each offer was refused): retry, or "
+        "raise swarm.join_timeout. If the run is closed (its organiser lists the keys it admits), send the organiser "
+        "this peer's key: run_peer --identity-path FILE --print-public-key, then train with that --identity-path"
     )
-
-
-def _round_of(announcement: dict) -> int:
-    value = announcement.get("round", 0)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def wait_for_start_peers(members: Membership, cfg: Config, tag: RoundTag, stop: threading.Event) -> None:

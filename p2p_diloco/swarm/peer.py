@@ -40,9 +40,9 @@ from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
 from p2p_diloco.swarm.identity import Identity, read_authorized_keys
 from p2p_diloco.swarm.join import Membership, PeerOptions, first_state, wait_for_start_peers
 from p2p_diloco.swarm.protocol import RoundRules
-from p2p_diloco.swarm.records import make_record_validators
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.sync import StateSync
+from p2p_diloco.swarm.validators import make_validators, owner_subkey
 
 __all__ = ["PeerOptions", "RoundsFailing", "StopRequested", "TrainingPeer"]
 
@@ -78,7 +78,7 @@ class TrainingPeer:
                 f"run {s.run_id!r} is closed and swarm.authorized_keys ({s.authorized_keys}) does not list this "
                 f"peer's key; ask the organiser to add this line to it:\n  {identity.public_key.decode()}"
             )
-        validators, public_key = make_record_validators(s.run_id, identity.key)
+        validators, public_key = make_validators(s.run_id, identity), owner_subkey(identity.public_key)
         try:
             self.dht = start_dht(
                 self.opts.initial_peers,

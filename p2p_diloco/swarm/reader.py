@@ -1,21 +1,26 @@
 """The monitor's view of the DHT: the run's records with their expiry, and the entries hivemind refused.
 
-Inputs:  the DHT entries under ``f"{run_id}_metrics"`` (see records.py for the wire format).
+Inputs:  the DHT entries under ``f"{run_id}_metrics"`` (see records.py for the wire format); optionally a closed
+         run's ``authorized`` peer ids (``identity.read_authorized_keys``).
 Output:  :func:`read_swarm` -> :class:`Reading` (records by peer id, each one's DHT expiry, which owner key
-         wrote which peer, and the (reason, owner digest) of every refused or unparsable entry).
+         wrote which peer, the (reason, owner digest) of every refused or unparsable entry, and the peer ids
+         ignored because they are not authorized).
 State:   :class:`RejectCounter`'s pipe, written by the DHT process and drained by the host.
 Failure: a lookup slower than ``timeout`` raises ``TimeoutError``. Refused entries never reach the records.
 
 Why a validator wrapper: hivemind runs the validators inside the DHT process; an answer from a node whose
-dictionary holds an entry that fails the signature or schema check is dropped whole and silently (the reader
-keeps other nodes' answers), so ``DHT.get`` alone cannot tell the monitor that garbage was there. Only the
-first failing entry of each answer is seen (hivemind stops validating a dictionary at its first failure).
+dictionary holds an entry that fails a check is dropped whole and silently (the reader keeps other nodes'
+answers), so ``DHT.get`` alone cannot tell the monitor that garbage was there. Only the first failing entry of
+each answer is seen (hivemind stops validating a dictionary at its first failure). Reasons: the guard's
+(``size``, ``signature-text``, ``encoding``, ``owner-key``: validators.RecordGuard), ``signature``, ``schema``,
+``bounds`` (validators.MetricsBounds), ``error`` (a validator raised); ``parse`` for what reached the host and
+failed records.screen_records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import math
 import os
 import threading
 import time
@@ -26,10 +31,12 @@ from typing import Any
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.swarm.records import PeerRecord, metrics_key, parse_records
+from p2p_diloco.swarm.records import PeerRecord, metrics_key, screen_records
+from p2p_diloco.swarm.validators import MetricsBounds, RecordGuard
 
 __all__ = ["owner_digest", "RejectCounter", "parse_entries", "Reading", "read_swarm"]
 
@@ -45,32 +52,45 @@ class RejectCounter(RecordValidatorBase):
 
     hivemind validates in the DHT process and drops a refused answer silently (a whole node's dictionary at a
     time); this wrapper writes ``b"<reason> <owner digest>\\n"`` to a non-blocking pipe the host drains
-    (reasons: signature, schema, error). Made before the DHT process forks; a full pipe drops reports, never
+    (reasons: see the module docstring). Made before the DHT process forks; a full pipe drops reports, never
     blocks the DHT. Validation itself is unchanged: a refused entry is never shown.
     """
 
     def __init__(self, validators: Iterable[RecordValidatorBase], run_id: str) -> None:
         validators = list(validators)
         self._inner = CompositeValidator(validators)
-        self._signer = next((v for v in validators if isinstance(v, RSASignatureValidator)), None)
+        # the order CompositeValidator validates in (decreasing priority), to tell which check refused an entry
+        self._chain = sorted(validators, key=lambda v: v.priority, reverse=True)
         self._key = DHTID.generate(source=metrics_key(run_id)).to_bytes()
         self.read_fd, self._write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self._write_fd, False)
 
+    def _reason(self, record: DHTRecord) -> str:
+        for validator in self._chain:
+            try:
+                if not validator.validate(record):
+                    if isinstance(validator, RecordGuard):
+                        return validator.reason(record) or "guard"
+                    if isinstance(validator, RSASignatureValidator):
+                        return "signature"
+                    if isinstance(validator, SchemaValidator):
+                        return "schema"
+                    if isinstance(validator, MetricsBounds):
+                        return "bounds"
+                    return type(validator).__name__
+                record = dataclasses.replace(record, value=validator.strip_value(record))
+            except Exception:  # noqa: BLE001 - e.g. a malformed public key raises inside RSAPublicKey.from_bytes
+                return "error"
+        return "error"
+
     def validate(self, record: DHTRecord) -> bool:
         try:
             ok = self._inner.validate(record)
         except Exception:  # noqa: BLE001 - e.g. a malformed public key raises inside RSAPublicKey.from_bytes
-            ok, reason = False, "error"
-        else:
-            reason = "schema"
+            ok = False
         if not ok and record.key == self._key:
-            if reason == "schema" and self._signer is not None:
-                try:
-                    reason = "schema" if self._signer.validate(record) else "signature"
-                except Exception:  # noqa: BLE001
-                    reason = "signature"
+            reason = self._reason(record)
             try:
                 subkey = MSGPackSerializer.loads(record.subkey)
             except Exception:  # noqa: BLE001
@@ -113,26 +133,30 @@ class RejectCounter(RecordValidatorBase):
         return [tuple(line.split(" ", 1)) for line in lines if " " in line]  # type: ignore[misc]
 
 
-def parse_entries(entries: Any) -> tuple[dict[str, PeerRecord], dict[str, float], dict[str, str], list[str]]:
+def parse_entries(
+    entries: Any, authorized: frozenset[str] | None = None
+) -> tuple[dict[str, PeerRecord], dict[str, float], dict[str, str], list[str]]:
     """Pure parse of what ``DHT.get`` returned for the key: (records by peer id, their DHT expiry by peer id,
-    owner digest -> peer id, owner digests of entries that failed to parse). Newest ``time`` wins per peer."""
-    if not isinstance(entries, dict):
-        return {}, {}, {}, ["<plain value>"]
+    owner digest -> peer id, owner digests of the bad entries; records.screen_records says which are bad).
+    Newest ``time`` wins per peer; peers outside ``authorized`` (when given) are left out, not counted."""
+    return _parse(entries, authorized)[:4]
+
+
+def _parse(
+    entries: Any, authorized: frozenset[str] | None
+) -> tuple[dict[str, PeerRecord], dict[str, float], dict[str, str], list[str], list[str]]:
+    screened = screen_records(entries, authorized=authorized)
     records: dict[str, PeerRecord] = {}
     expirations: dict[str, float] = {}
     owners: dict[str, str] = {}
-    bad: list[str] = []
-    for subkey, item in entries.items():
-        parsed, n_bad = parse_records({subkey: item})
-        if n_bad or not parsed:
-            bad.append(owner_digest(subkey))
-            continue
-        peer, record = next(iter(parsed.items()))
+    bad = ["<plain value>" if subkey is None else owner_digest(subkey) for subkey in screened.bad]
+    for subkey, record, expiration in screened.accepted:
+        peer = record.peer_id
         owners[owner_digest(subkey)] = peer
         if peer not in records or record.time > records[peer].time:
             records[peer] = record
-            expirations[peer] = float(getattr(item, "expiration_time", math.inf))
-    return records, expirations, owners, bad
+            expirations[peer] = expiration
+    return records, expirations, owners, bad, sorted(set(screened.ignored))
 
 
 @dataclass
@@ -142,13 +166,20 @@ class Reading:
     owners: dict[str, str]
     bad: list[tuple[str, str]]  # (reason, owner digest)
     seconds: float
+    ignored: list[str] = dataclasses.field(default_factory=list)  # peer ids outside a closed run's authorized set
 
 
 def read_swarm(
-    dht: DHT, run_id: str, timeout: float, rejects: RejectCounter | None = None, stop: threading.Event | None = None
+    dht: DHT,
+    run_id: str,
+    timeout: float,
+    rejects: RejectCounter | None = None,
+    stop: threading.Event | None = None,
+    authorized: frozenset[str] | None = None,
 ) -> Reading:
     """One lookup of the run's key (``latest=True``: asks the network, not a cache). Raises TimeoutError after
-    ``timeout`` seconds, or as soon as ``stop`` is set (a monitor asked to exit does not wait for a slow lookup)."""
+    ``timeout`` seconds, or as soon as ``stop`` is set (a monitor asked to exit does not wait for a slow lookup).
+    With ``authorized``, records of other peers are ignored (listed in ``Reading.ignored``)."""
     started = time.monotonic()
     future = dht.get(metrics_key(run_id), latest=True, return_future=True)
     deadline = started + timeout
@@ -161,7 +192,8 @@ def read_swarm(
                 future.cancel()
                 why = "stopped" if stop is not None and stop.is_set() else f"took over {timeout:g} s"
                 raise TimeoutError(f"reading {metrics_key(run_id)!r} from the DHT {why}") from None
-    records, expirations, owners, unparsed = parse_entries(found.value) if found is not None else ({}, {}, {}, [])
+    parsed = _parse(found.value, authorized) if found is not None else ({}, {}, {}, [], [])
+    records, expirations, owners, unparsed, ignored = parsed
     refused = rejects.drain() if rejects is not None else []
     bad = refused + [("parse", d) for d in unparsed]
-    return Reading(records, expirations, owners, bad, time.monotonic() - started)
+    return Reading(records, expirations, owners, bad, time.monotonic() - started, ignored)

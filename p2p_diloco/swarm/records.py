@@ -2,30 +2,34 @@
 
 Inputs:  a :class:`PeerRecord` per finished round, published by the training peer that owns it.
 Output:  ``read_records`` -> ({peer_id: PeerRecord}, number of entries that failed to parse); the monitor reads
-         this and counts the garbage.
+         this and counts the garbage. ``screen_records`` is the per-entry verdict both build on.
 State:   the DHT entries themselves; each expires ``ttl`` seconds after its last publish.
-Failure: a malformed or foreign write is refused by every node that runs :func:`make_record_validators`'s
-         validators (``publish_record`` returns False). A node without them can still store garbage under
-         the key; what reaches a reader and does not parse as a PeerRecord is skipped and counted.
+Failure: a malformed or foreign write is refused by every node that runs swarm/validators.py's
+         ``make_validators`` (``publish_record`` returns False). A node without them can still store garbage under
+         the key; what reaches a reader and does not parse as a PeerRecord, names another peer than its signer, or
+         claims a round far ahead of the swarm's is skipped and counted. Records of peers outside a closed run's
+         ``authorized`` set are skipped, not counted.
 
 Wire format (what the DHT stores and validates, hivemind 1.1.12):
   key     ``f"{run_id}_metrics"``
-  subkey  the writer's ``RSASignatureValidator.local_public_key`` (``b"[owner:<RSA public key>]"``); the
-          validator signs the value on store and every validating node checks the signature, so a peer can
-          write only its own subkey.
+  subkey  the writer's ``owner_subkey(identity.public_key)`` (``b"[owner:<RSA public key>]"``); the signature
+          validator signs the value on store and every validating node checks the signature, so a peer can write
+          only its own subkey. ``peer_id`` must be ``identity.peer_id_of`` that key: the writer's libp2p peer id
+          when its DHT runs with the same identity file.
   value   ``PeerRecord.model_dump()``: a msgpack map with exactly the fields below. hivemind's
-          ``SchemaValidator`` (pydantic.v1 API) checks it with strict types: an int where a float is expected,
-          a missing or an extra field is refused. Adding a field is therefore a wire-format change: old peers
-          refuse records with it.
+          ``SchemaValidator`` (pydantic.v1 API; ``_PeerRecordWire`` here, used by validators.py) checks it with strict
+          types: an int where a float is expected, a missing or an extra field is refused. Adding a field is
+          therefore a wire-format change: old peers refuse records with it. validators.py's ``MetricsBounds`` then
+          checks the signer, the clock and the magnitudes.
 Facts worth knowing (hivemind 1.1.12, measured or read in its source):
 - a node's RSA key defaults to one per process (``RSAPrivateKey.process_wide()``) and a DHT keeps only the
   first ``RSASignatureValidator`` it is given, so several DHTs in one process would share one owner;
-  ``make_record_validators`` makes a fresh key unless given one.
+  ``make_validators`` makes a fresh key unless given an Identity.
 - when a remote node answers a lookup with a dictionary in which any subkey fails validation, the reader
   drops that node's whole dictionary, not just the bad entry (the reader still has other replicas).
 - a node without the validators cannot read signed records: it cannot strip the signature, msgpack raises
   ``ExtraData`` inside the DHT process and ``DHT.get`` never returns. Readers (the monitor) must use
-  ``make_record_validators`` too; ``read_records`` has a timeout.
+  ``make_validators`` too; ``read_records`` has a timeout.
 - a NaN loss passes the schema check (the strict-type check compares with ``==``, and the dict comparison
   short-cuts on identity), so a diverging peer still reports.
 """
@@ -34,26 +38,31 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
 import pydantic.v1 as pydantic_v1
 from hivemind.dht import DHT
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.swarm.dht import bounded
+from p2p_diloco.swarm.identity import owner_of, peer_id_of
 
 __all__ = [
     "PeerRecord",
     "metrics_key",
-    "make_record_validators",
     "publish_record",
     "read_records",
     "parse_records",
+    "screen_records",
+    "Screened",
+    "MAX_STEP_LEAD",
 ]
+
+# a record whose outer_step is more than this above the median of at least 3 records is not believed
+MAX_STEP_LEAD = 1000
 
 
 class PeerRecord(pydantic.BaseModel):
@@ -107,23 +116,8 @@ class _PeerRecordWire(pydantic_v1.BaseModel):
         extra = pydantic_v1.Extra.forbid
 
 
-class _MetricsSchema(pydantic_v1.BaseModel):
-    # SchemaValidator(prefix=run_id) maps this field to the DHT key f"{run_id}_metrics"
-    metrics: dict[BytesWithPublicKey, _PeerRecordWire]
-
-
 def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
-
-
-def make_record_validators(run_id: str, private_key: RSAPrivateKey | None = None) -> tuple[list[Any], bytes]:
-    """Validators for ``start_dht(record_validators=...)`` and this node's subkey (its RSA public key).
-
-    Each call makes a fresh RSA key unless ``private_key`` is given: several DHT nodes in one process must
-    not share one (hivemind keeps only the first ``RSASignatureValidator`` a DHT is given).
-    """
-    signer = RSASignatureValidator(private_key if private_key is not None else RSAPrivateKey())
-    return [SchemaValidator(_MetricsSchema, allow_extra_keys=True, prefix=run_id), signer], signer.local_public_key
 
 
 def publish_record(
@@ -144,15 +138,17 @@ def publish_record(
 
 
 def read_records(
-    dht: DHT, run_id: str, max_age: float | None = None, timeout: float = 30.0
+    dht: DHT,
+    run_id: str,
+    max_age: float | None = None,
+    timeout: float = 30.0,
+    authorized: frozenset[str] | None = None,
 ) -> tuple[dict[str, PeerRecord], int]:
-    """Valid, unexpired records by ``peer_id``, and how many entries under the key failed to parse.
+    """Valid, unexpired records by ``peer_id``, and how many entries under the key were bad (see parse_records).
 
-    ``dht`` must run the validators from :func:`make_record_validators` (any key will do): a node without
+    ``dht`` must run the validators from ``validators.make_validators`` (any key will do): a node without
     them cannot strip the signatures, and hivemind's ``get`` then fails inside the DHT process and never
     answers; ``timeout`` turns that (and a stalled lookup) into a ``TimeoutError``.
-    When two subkeys carry the same ``peer_id`` (a peer restarted with a new key), the newer ``time`` wins.
-    ``max_age`` additionally drops records whose ``time`` is older than that many seconds (not counted bad).
     """
     future = dht.get(metrics_key(run_id), latest=True, return_future=True)
     try:
@@ -161,33 +157,73 @@ def read_records(
         future.cancel()
         raise TimeoutError(
             f"reading {metrics_key(run_id)!r} from the DHT took over {timeout:g} s "
-            "(does this DHT node run make_record_validators' validators?)"
+            "(does this DHT node run validators.make_validators' validators?)"
         ) from None
     if found is None:
         return {}, 0
-    return parse_records(found.value, max_age=max_age)
+    return parse_records(found.value, max_age=max_age, authorized=authorized)
 
 
-def parse_records(entries: Any, max_age: float | None = None) -> tuple[dict[str, PeerRecord], int]:
-    """The parsing half of :func:`read_records`: ``entries`` is the value ``DHT.get`` returned for the key."""
+@dataclass
+class Screened:
+    """``screen_records``' verdict. ``accepted``: (subkey, record, DHT expiry) of the entries kept; ``bad``: the
+    subkeys of the entries refused (None for a plain value where a per-peer dictionary belongs); ``ignored``: peer
+    ids outside ``authorized`` (not bad: a closed run simply does not listen to them)."""
+
+    accepted: list[tuple[Any, PeerRecord, float]] = field(default_factory=list)
+    bad: list[Any] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+
+def screen_records(entries: Any, max_age: float | None = None, authorized: frozenset[str] | None = None) -> Screened:
+    """Sort what ``DHT.get`` returned for the key into kept, bad and ignored entries. Pure; never raises.
+
+    Bad: a subkey that is no owner subkey, a value that does not parse as a PeerRecord, a ``peer_id`` that is not
+    the signer's (``peer_id_of(owner_of(subkey))``: a node without validators may have stored it), and, among at
+    least 3 otherwise good records, an ``outer_step`` more than MAX_STEP_LEAD above their median (the steps of a
+    record must be near the swarm's). Ignored: peers outside ``authorized`` (when given) and, with ``max_age``,
+    records whose ``time`` is older than that many seconds.
+    """
+    out = Screened()
     if not isinstance(entries, dict):
-        return {}, 1  # a plain value where a per-peer dictionary belongs
+        out.bad.append(None)
+        return out
     now = get_dht_time()
-    records: dict[str, PeerRecord] = {}
-    bad = 0
+    kept: list[tuple[Any, PeerRecord, float]] = []
     for subkey, item in entries.items():
-        value = getattr(item, "value", None)
-        if not isinstance(subkey, bytes) or RSASignatureValidator.PUBLIC_KEY_FORMAT[:7] not in subkey:
-            bad += 1
-            continue
+        owner = owner_of(subkey)
+        signer = peer_id_of(owner) if owner is not None else None
         try:
-            record = PeerRecord.model_validate(value)
+            record = PeerRecord.model_validate(getattr(item, "value", None))
         except pydantic.ValidationError:
-            bad += 1
+            record = None
+        if signer is None or record is None or record.peer_id != signer:
+            out.bad.append(subkey)
+            continue
+        if authorized is not None and record.peer_id not in authorized:
+            out.ignored.append(record.peer_id)
             continue
         if max_age is not None and not (math.isfinite(record.time) and now - record.time <= max_age):
             continue
+        expiration = getattr(item, "expiration_time", math.inf)
+        kept.append((subkey, record, float(expiration) if isinstance(expiration, int | float) else math.inf))
+    if len(kept) >= 3:
+        ceiling = statistics.median(r.outer_step for _, r, _ in kept) + MAX_STEP_LEAD
+        out.bad.extend(subkey for subkey, r, _ in kept if r.outer_step > ceiling)
+        kept = [entry for entry in kept if entry[1].outer_step <= ceiling]
+    out.accepted = kept
+    return out
+
+
+def parse_records(
+    entries: Any, max_age: float | None = None, authorized: frozenset[str] | None = None
+) -> tuple[dict[str, PeerRecord], int]:
+    """The parsing half of :func:`read_records`: ``entries`` is the value ``DHT.get`` returned for the key.
+    Returns the kept records by ``peer_id`` (newest ``time`` wins) and the number of bad entries (screen_records)."""
+    screened = screen_records(entries, max_age=max_age, authorized=authorized)
+    records: dict[str, PeerRecord] = {}
+    for _, record, _ in screened.accepted:
         previous = records.get(record.peer_id)
         if previous is None or record.time > previous.time:
             records[record.peer_id] = record
-    return records, bad
+    return records, len(screened.bad)

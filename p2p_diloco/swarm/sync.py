@@ -1,24 +1,29 @@
-"""A swarm peer's outer state as shared with the swarm: serve a snapshot, fetch and verify a donor's, adopt it.
+"""A swarm peer's outer state as shared with the swarm: serve a snapshot, download a vouched-for state, adopt it.
 
-Inputs:  the Worker whose OuterState this guards, the averager (hivemind's state transfer: ``load_state`` from
-         the donor with the highest priority, ``state_sharing_priority`` = our round), this run's fingerprint,
-         ``swarm.state_timeout``, and a callable that says whether other peers of the run are about.
-Output:  ``serve`` (the snapshot other peers download), ``fetch(accept)`` (the one fetch-and-verify path every
-         download takes), and what the peer does with it: ``download`` (join, resume), ``catch_up`` and ``resync``
-         (after a round, see protocol.py); ``apply_outer`` (the round's outer step, under the lock). For rounds
-         that fail (guard.py): ``begin_round``, ``round_ran``, ``discard_round`` and ``last_good``.
+Inputs:  the Worker whose OuterState this guards; the averager (``download(peer, timeout, max_tensors, max_bytes)``
+         from one donor; it serves ``serve``'s output to others); this run's fingerprint; ``swarm.state_timeout``;
+         a callable that says whether other peers of the run are about; ``vouches``: what the run's signed
+         announcements say (join.py: which peer holds which (round, checksum) now, and which it held in its last
+         rounds); ``swarm.state_quorum``; ``on_change``, called after every change of the state (the peer announces
+         the new tag at once, so others may vouch for it).
+Output:  ``serve`` (the snapshot other peers download), ``fetch(wanted)`` (the one download path: the furthest state
+         that ``state_quorum`` peers, or all there are when fewer, vouch for, or our own, from the first of its
+         holders whose offer checks out), and what the peer does with it: ``download`` (join, resume), ``catch_up``
+         and ``resync`` (after a round, see protocol.py); ``apply_outer`` (the round's outer step, under the lock).
+         For rounds that fail (guard.py): ``begin_round``, ``round_ran``, ``discard_round`` and ``last_good``.
 State:   the lock that guards the worker's outer state against hivemind's state-serving thread; ``consensus``:
          whether that state came out of a complete group (or the seed, a checkpoint, a download); ``version``,
-         bumped by every change made here; two CPU copies at most: the state the current round started from,
-         and ``last_good``, the last state from which a round's inner steps ran with a finite loss. The first is
-         copied at the start of a round whose state changed since the last copy (once per applied round:
-         anchor + momentum in fp32, 8 bytes per parameter, ~5 MB for tiny.yaml, ~150 MB for small.yaml); the
-         second is that copy, kept by reference. For a model of 150M parameters and more, the copy (1.2 GB, and
-         2.4 GB of host memory for both) is worth weighing.
-Failure: nothing a donor sends raises here: an offer with another fingerprint, another tensor count or shapes,
-         a bad round or a checksum that does not match its tensors is logged and refused (None / False).
-         The checksum is the donor's own claim about its bytes, so it catches transfer errors, not a lying
-         donor.
+         bumped by every change made here; the snapshot served for the current version (copied once per state,
+         however many peers download it); the tag of the current version; two CPU copies at most: the state the
+         current round started from, and ``last_good``, the last state from which a round's inner steps ran with a
+         finite loss. The first is copied at the start of a round whose state changed since the last copy (once per
+         applied round: anchor + momentum in fp32, 8 bytes per parameter, ~5 MB for tiny.yaml, ~150 MB for
+         small.yaml); the second is that copy, kept by reference. For a model of 150M parameters and more, the copy
+         (1.2 GB, and 2.4 GB of host memory for both, 3.6 GB with the served snapshot) is worth weighing.
+Failure: nothing a donor sends raises here. A state too few peers vouch for is not downloaded at all, whatever round
+         it claims (logged: "fewer than N peers vouch for it"); an offer with another fingerprint, round, tensor count,
+         shapes or dtypes, or whose tensors do not hash to the vouched checksum, is logged and refused, and the next
+         holder is tried. The checksum is sha256 over the round and every tensor's bytes, truncated to 64 bits.
 """
 
 from __future__ import annotations
@@ -164,6 +169,10 @@ class StateSync:
                 if offer is not None:
                     return offer
         return None
+
+    def vouched_past(self, round: int) -> bool:
+        """Whether the swarm vouches for a state some peer holds past ``round`` (one worth waiting for)."""
+        return any(tag.round > round for tag, _ in self.vouches().offers(self.quorum, self.tag()))
 
     def _fetch_from(self, donor: str, tag: RoundTag, timeout: float) -> Offer | None:
         ours = self.worker.state.tensors()

@@ -1,0 +1,45 @@
+"""A closed run (swarm.authorized_keys) next to a stranger who knows its bootstrap address and config: real run_peer
+processes on 127.0.0.1. The listed peers train together and agree; the unlisted one never shares a group with them,
+gets no state from them, and is told at join what to do (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+from test_swarm import checksums_by_step, finish, records, start_bootstrap, start_peer
+
+from p2p_diloco.swarm.identity import Identity
+
+pytestmark = pytest.mark.swarm
+
+ROUNDS = 4
+SETS = [f"train.rounds={ROUNDS}", "swarm.target_group_size=3", "swarm.linger_seconds=15"]
+
+
+@pytest.mark.timeout(300)
+def test_an_unlisted_peer_never_joins_a_closed_run(spawn, tmp_path):
+    keys = [tmp_path / f"peer{k}.key" for k in range(3)]
+    ids = [Identity.load(k).peer_id for k in keys]
+    allowed = tmp_path / "authorized_keys"
+    allowed.write_text("".join(Identity.load(k).public_key.decode() + "\n" for k in keys[:2]))
+    closed = [*SETS, f"swarm.authorized_keys={allowed}", "swarm.start_peers=2"]
+    _, initial = start_bootstrap(spawn)
+    listed = [
+        start_peer(spawn, initial, tmp_path / f"peer{k}", *closed, flags=("--identity-path", str(keys[k])))
+        for k in range(2)
+    ]
+    listed[0].wait_for_line(r"^round [2-9]/", timeout=180)
+    # the stranger runs the same config without the allowlist (nothing stops it from editing its copy)
+    stranger = start_peer(spawn, initial, tmp_path / "peer2", *SETS, flags=("--identity-path", str(keys[2])))
+    rc = stranger.wait(timeout=120)
+    finish(listed, timeout=180)
+    said = "\n".join(stranger.stderr_lines)
+    print("what the unlisted peer sees:\n" + "\n".join(stranger.stderr_lines[-4:]))
+    assert rc == 2, stranger.describe()
+    assert "the peer sent no state" in said and "--print-public-key" in said, said
+    assert "Traceback" not in said
+    assert not records(tmp_path / "peer2")  # it never trained a round
+    by_step = checksums_by_step([tmp_path / "peer0", tmp_path / "peer1"])
+    assert sorted(by_step) == list(range(1, ROUNDS + 1)) and all(len(c) == 1 for c in by_step.values()), by_step
+    for k in range(2):
+        for rec in records(tmp_path / f"peer{k}"):
+            assert set(rec.get("group_peers", ids[:2])) <= set(ids[:2]), rec

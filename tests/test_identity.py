@@ -1,0 +1,104 @@
+"""A peer's identity (swarm/identity.py): the key file p2pd reads, the peer id it stands for, signatures, the
+authorized_keys file of a closed run, and what run_peer says to a peer such a run does not list."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import PeerID
+
+from p2p_diloco.swarm.identity import Identity, IdentityError, owner_of, peer_id_of, read_authorized_keys, verify
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_key_file_is_created_once_and_names_the_same_peer_as_p2pd_would(tmp_path):
+    path = tmp_path / "me.key"
+    first = Identity.load(path)
+    assert path.exists() and (path.stat().st_mode & 0o777) == 0o400
+    again = Identity.load(path)
+    assert again.peer_id == first.peer_id == str(PeerID.from_identity(path.read_bytes()))
+    assert first.public_key.startswith(b"ssh-rsa ") and peer_id_of(first.public_key) == first.peer_id
+
+
+def test_a_temporary_identity_leaves_no_file():
+    identity = Identity.load()
+    assert os.path.exists(identity.path)
+    identity.close()
+    assert not os.path.exists(identity.path)
+    assert identity.peer_id == peer_id_of(identity.public_key)  # the key stays in memory
+
+
+@pytest.mark.parametrize("content", [b"", b"not a key", b"\x08\x00\x12\x03abc"])
+def test_a_file_that_is_no_libp2p_key_is_refused_by_name(tmp_path, content):
+    path = tmp_path / "bad.key"
+    path.write_bytes(content)
+    with pytest.raises(IdentityError, match="bad.key"):
+        Identity.load(path)
+
+
+def test_a_missing_directory_is_named():
+    with pytest.raises(IdentityError, match="does not exist"):
+        Identity.load("/no/such/dir/me.key")
+
+
+def test_signatures_and_strangers_bytes():
+    a, b = Identity.load(), Identity.load()
+    a.close(), b.close()
+    signature = a.sign(b"round 3")
+    assert verify(a.public_key, b"round 3", signature)
+    assert not verify(a.public_key, b"round 4", signature)
+    assert not verify(b.public_key, b"round 3", signature)
+    for junk in (b"", b"ssh-rsa AAAA", "text", None, b"x" * 5000):
+        assert peer_id_of(junk) is None  # type: ignore[arg-type]
+        assert not verify(junk, b"round 3", signature)  # type: ignore[arg-type]
+    assert owner_of(b"[owner:" + a.public_key + b"]") == a.public_key
+    assert owner_of(b"peer") is None and owner_of("[owner:x]") is None
+
+
+def test_authorized_keys_lists_peer_ids_and_names_a_bad_line(tmp_path):
+    a, b = Identity.load(), Identity.load()
+    a.close(), b.close()
+    good = tmp_path / "keys"
+    good.write_text(f"# the run's volunteers\n{a.public_key.decode()} alice\n\n{b.public_key.decode()}\n")
+    assert read_authorized_keys(good) == {a.peer_id, b.peer_id}
+    bad = tmp_path / "bad"
+    bad.write_text(f"{a.public_key.decode()}\nQmNotAKey\n")
+    with pytest.raises(IdentityError, match="line 2"):
+        read_authorized_keys(bad)
+    empty = tmp_path / "empty"
+    empty.write_text("# nobody\n")
+    with pytest.raises(IdentityError, match="lists no key"):
+        read_authorized_keys(empty)
+    with pytest.raises(IdentityError, match="cannot be read"):
+        read_authorized_keys(tmp_path / "missing")
+
+
+def _run_peer(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "peers.run_peer", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_print_public_key_and_an_unlisted_peer_is_told_what_to_send(tmp_path):
+    key = tmp_path / "me.key"
+    printed = _run_peer("--identity-path", str(key), "--print-public-key")
+    assert printed.returncode == 0, printed.stderr
+    public_key, peer_id = printed.stdout.strip().rsplit(" ", 1)
+    assert peer_id == Identity.load(key).peer_id and public_key.startswith("ssh-rsa ")
+    assert _run_peer("--print-public-key").returncode == 2  # needs --identity-path
+
+    other = Identity.load()
+    other.close()
+    allowed = tmp_path / "authorized_keys"
+    allowed.write_text(other.public_key.decode() + "\n")
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--log-dir", str(tmp_path / "run"), "--new-swarm"]
+    refused = _run_peer(*args, "--identity-path", str(key), "--set", f"swarm.authorized_keys={allowed}")
+    assert refused.returncode == 2, refused.stderr
+    assert "is closed" in refused.stderr and public_key in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    print(refused.stderr.strip().splitlines()[-3:])
