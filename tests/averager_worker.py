@@ -9,8 +9,9 @@ tests/faults.py), optional
 ``state_meta`` (serve it with make_grads(seed + 1000, shapes) as the outer state), optional ``gather_garbage``
 (send this value instead of a gather payload), optional ``weight_scale`` (put this multiple of the declared
 tokens on the wire as the weight), optional ``forge`` (sign the payload with a key that is not this peer's),
-optional ``identity_path`` (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the
-peer ids of a closed run), ``out_dir``.
+optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``identity_path``
+(this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the peer ids of a closed run),
+``out_dir``.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
@@ -54,6 +55,25 @@ class _Garbage:
         return self.value
 
 
+def _install_split_lie() -> None:
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.proto import averaging_pb2
+
+    from p2p_diloco.swarm.butterfly import ExactRunner
+
+    honest = ExactRunner._accumulate_parts_streaming
+
+    async def split(self, stream, sender_index):  # type: ignore[no-untyped-def]
+        victim = 0 if self.sender_peer_ids[0] != self.peer_id else 1  # our own slice takes another path
+        async for reply in honest(self, stream, sender_index):
+            if sender_index == victim:
+                off = serialize_torch_tensor(deserialize_torch_tensor(reply.tensor_part) * 1.001)
+                reply = averaging_pb2.AveragingData(code=reply.code, tensor_part=off)
+            yield reply
+
+    ExactRunner._accumulate_parts_streaming = split
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -63,6 +83,8 @@ def main() -> None:
     from p2p_diloco.swarm.identity import Identity
     from p2p_diloco.swarm.protocol import GatherPayload, RoundTag
 
+    if cfg.get("lie_to_first"):  # as a reducer, send the first other sender an average 0.1% off (the others the truth)
+        _install_split_lie()
     if cfg.get("kill_after_parts"):
         install_kill_after_sends(int(cfg["kill_after_parts"]), lambda sent: emit("DYING", {"t": time.time()}))
     shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]

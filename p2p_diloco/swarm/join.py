@@ -63,6 +63,8 @@ class Membership:
     """The run's signed announcements in the DHT: ours, and everybody else's (see the module docstring)."""
 
     HISTORY = 8  # the tags of our last states we vouch for
+    HEARTBEAT = 10.0  # seconds between refreshes of our announcement while the state does not change (``refresh``)
+    LIVE = 30.0  # an announcement refreshed longer ago than this is a peer that left: it vouches, but is not "there"
 
     def __init__(
         self,
@@ -79,18 +81,27 @@ class Membership:
         self.subkey = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", identity.public_key)
         self.timeout = cfg.swarm.dht_timeout
         self.states: list[RoundTag] = []  # our recent tags, oldest first
+        self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
 
     def announce(self, tag: RoundTag, wait: bool = True) -> bool:
         """Store (or refresh) our announcement, vouching for ``tag`` and our previous few; False when no DHT node
         took it within the deadline. ``wait=False`` hands it to the DHT process and returns at once (True)."""
         if not self.states or self.states[-1] != tag:
             self.states = [t for t in self.states if t != tag][-(self.HISTORY - 1) :] + [tag]
-        value = {
+        self._value = value = {
             "fingerprint": self.fingerprint,
             "summary": self.summary,
             "round": tag.round,
             "states": [[t.round, t.checksum] for t in self.states],
         }
+        return self._store(value, wait)
+
+    def refresh(self) -> None:
+        """Store our last announcement again (it says we are still here); called every HEARTBEAT seconds."""
+        if self._value is not None:
+            self._store(self._value, wait=False)
+
+    def _store(self, value: dict[str, Any], wait: bool) -> bool:
         expires = get_dht_time() + self.cfg.swarm.record_ttl
 
         def store() -> Any:
@@ -107,7 +118,8 @@ class Membership:
     def others(self) -> dict[str, dict]:
         """Announcements of the other peers of this run by peer id, whatever their settings ({} when the DHT does
         not answer within ``swarm.dht_timeout``). Only signed ones count, each under its signer's peer id; in a
-        closed run, only those of listed peers."""
+        closed run, only those of listed peers. Each carries ``"live"``: whether it was refreshed within LIVE
+        seconds (read from its DHT expiration, assuming the run's ``swarm.record_ttl``)."""
         found = bounded(
             lambda: self.dht.get(self.key, latest=True, return_future=True),
             self.timeout,
@@ -117,13 +129,15 @@ class Membership:
         value = getattr(found, "value", None)
         entries = value if isinstance(value, dict) else {}
         out = {}
+        announced_after = get_dht_time() - self.LIVE + self.cfg.swarm.record_ttl  # as an expiration time
         for subkey, item in entries.items():
             peer = peer_id_of(owner_of(subkey) or b"")
             announcement = getattr(item, "value", None)
             if peer is None or peer == self.peer_id or not isinstance(announcement, dict):
                 continue
             if self.authorized is None or peer in self.authorized:
-                out[peer] = announcement
+                expires = getattr(item, "expiration_time", 0.0)
+                out[peer] = {**announcement, "live": isinstance(expires, float) and expires >= announced_after}
         return out
 
     def mates(self) -> list[dict]:
@@ -131,17 +145,20 @@ class Membership:
         return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
 
     def vouches(self) -> Vouches:
-        """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch)."""
+        """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch).
+        A peer that left (its announcement not refreshed within LIVE seconds) still vouches for what it held, but
+        is neither a donor nor one of the peers the quorum is taken over."""
         out = Vouches()
         for peer, announcement in self.others().items():
             if announcement.get("fingerprint") != self.fingerprint:
                 continue
             tags = _tags_of(announcement)
-            out.peers += 1
             for tag in tags:
                 out.vouchers.setdefault(tag, set()).add(peer)
-            if tags:
-                out.holders.setdefault(tags[-1], []).append(peer)
+            if announcement["live"]:
+                out.peers += 1
+                if tags:
+                    out.holders.setdefault(tags[-1], []).append(peer)
         return out
 
     def check(self) -> None:

@@ -4,9 +4,12 @@ Inputs:  a Config, PeerOptions (initial peers, log dir, network flags), a stop E
 Output:  DIR/metrics.jsonl, the DHT record and a console line per round (report.py); DIR/run_metadata.json;
          DIR/checkpoints/round_NNNNNN every ``train.checkpoint_every`` rounds and at exit (the outer state plus
          this worker's inner AdamW state and place in its shard, so --resume loses nothing).
-State:   the Worker (model, inner AdamW, OuterState), the DHT node and the PseudoGradAverager process, the
-         StateSync that guards the outer state, the Membership announcements and the Reporter.
-Failure: SwarmSetupError / SwarmUnreachableError / CheckpointError while joining (bad address, nobody answered,
+State:   the Worker (model, inner AdamW, OuterState), the peer's Identity (one RSA key: libp2p peer id, DHT signer,
+         gather-payload signer; identity.py), the DHT node (running validators.make_validators) and the
+         PseudoGradAverager process, the StateSync that guards the outer state, the Membership announcements and
+         the Reporter. In a closed run (``swarm.authorized_keys``) the allowed peer ids go to all three.
+Failure: SwarmSetupError / SwarmUnreachableError / CheckpointError / IdentityError while joining (bad address, an
+         unusable key file or authorized_keys, a closed run that does not list this key, nobody answered,
          state not downloadable, settings that differ from the swarm's, a damaged checkpoint); after joining a
          round that fails is dropped and the next one starts (engine.py, protocol.py say which and why; guard.py
          backs off, rolls back from a state whose loss stays non-finite, and after ``swarm.max_failed_rounds``
@@ -24,6 +27,7 @@ This module only orchestrates; each concern has its own:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -72,26 +76,26 @@ class TrainingPeer:
     def start(self) -> None:
         cfg, s = self.cfg, self.cfg.swarm
         authorized = read_authorized_keys(s.authorized_keys) if s.authorized_keys else None
-        self.identity = identity = Identity.load(self.opts.identity_path)
+        # no --identity-path: the key is kept in the log dir, so a restarted peer (--resume) has the same peer id,
+        # the same shard, and overwrites its own announcement instead of leaving a stale one beside a new one
+        own_key = self.opts.identity_path is None
+        self.identity = identity = Identity.load(self.log_dir / "identity.key" if own_key else self.opts.identity_path)
         if authorized is not None and identity.peer_id not in authorized:
             raise SwarmSetupError(
                 f"run {s.run_id!r} is closed and swarm.authorized_keys ({s.authorized_keys}) does not list this "
                 f"peer's key; ask the organiser to add this line to it:\n  {identity.public_key.decode()}"
             )
         validators, public_key = make_validators(s.run_id, identity), owner_subkey(identity.public_key)
-        try:
-            self.dht = start_dht(
-                self.opts.initial_peers,
-                host_maddrs=self.opts.host_maddrs,
-                announce_maddrs=self.opts.announce_maddrs,
-                identity_path=identity.path,
-                join_timeout=s.join_timeout,
-                record_validators=validators,
-                new_swarm=self.opts.new_swarm,
-                check_if_identity_free=self.opts.identity_path is not None,
-            )
-        finally:
-            identity.close()  # p2pd has read a temporary key file by now (or failed): it leaves the disk
+        self.dht = start_dht(
+            self.opts.initial_peers,
+            host_maddrs=self.opts.host_maddrs,
+            announce_maddrs=self.opts.announce_maddrs,
+            identity_path=identity.path,
+            join_timeout=s.join_timeout,
+            record_validators=validators,
+            new_swarm=self.opts.new_swarm,
+            check_if_identity_free=not own_key,  # hivemind dials the id to check (seconds); a log dir is ours
+        )
         self.peer_id = str(self.dht.peer_id)
         print(f"peer {self.peer_id} reachable as: {initial_peers_line(visible_maddrs(self.dht))}", flush=True)
         shard = cfg.data.shard_index
@@ -121,6 +125,7 @@ class TrainingPeer:
             quorum=s.state_quorum,
         )
         sync.on_change = lambda: members.announce(sync.tag(), wait=False)  # vouch for a new state at once
+        threading.Thread(target=self._heartbeat, name="announcements", daemon=True).start()
         first_state(worker, sync, members, cfg, self.opts)
         wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
         self.averager.set_state_provider(self.sync.serve)
@@ -148,6 +153,11 @@ class TrainingPeer:
             worker.state.round,
             prefix,
         )
+
+    def _heartbeat(self) -> None:
+        """Refresh our announcement while we are up, so peers count us as there (join.Membership.LIVE)."""
+        while not self.opts.stop.wait(Membership.HEARTBEAT) and self.dht is not None:
+            self.members.refresh()
 
     def run_round(self) -> RoundResult | None:
         """One round; None when it changed nothing here (stopped, failed, discarded or resynced). Raises

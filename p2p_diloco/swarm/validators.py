@@ -155,12 +155,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _Summary:
-    """A fingerprint summary: a dict of <= 64 entries, str keys <= 64 chars, JSON scalar values (str <= 256)."""
+class _Checked:
+    """A pydantic.v1 field type checked by the subclass's ``check`` (which returns the value unchanged)."""
 
     @classmethod
     def __get_validators__(cls):  # noqa: ANN206 - pydantic.v1 protocol
         yield cls.check
+
+
+class _Summary(_Checked):
+    """A fingerprint summary: a dict of <= 64 entries, str keys <= 64 chars, JSON scalar values (str <= 256)."""
 
     @staticmethod
     def check(value: Any) -> Any:
@@ -177,12 +181,8 @@ class _Summary:
         return value  # unchanged: SchemaValidator compares it with the wire value
 
 
-class _States:
+class _States(_Checked):
     """A peer's recent outer states: a list of <= 8 pairs [round int >= 0, checksum str <= 64]."""
-
-    @classmethod
-    def __get_validators__(cls):  # noqa: ANN206 - pydantic.v1 protocol
-        yield cls.check
 
     @staticmethod
     def check(value: Any) -> Any:
