@@ -19,8 +19,8 @@ State:   hivemind's averager child process with the shared-memory buffers (overw
          the state provider that serves late joiners (called in the host, in hivemind's fetch thread). In the
          averager process: the recent downloads per peer (at most ``max_state_downloads`` a minute each; more get
          an empty stream), and the reducers caught lying (``BAN_SECONDS``): like unlisted peers of a closed run,
-         they are refused as followers (``rpc_join_group``), a group holding one is left before any part is sent,
-         and they get no state.
+         they are refused as followers (``rpc_join_group``), never asked to lead us (the ``_matchmaking`` setter),
+         a group holding one is left before any part is sent, and they get no state.
 Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, before any network work. Network
          failures never raise: no group -> local result at once; incomplete or failed all-reduce -> retry on
          freshly copied buffers while ``max_reduce_attempts`` and ``round_deadline`` allow, else local.
@@ -529,6 +529,24 @@ class PseudoGradAverager(DecentralizedAverager):
         if peer in self._banned and self._banned[peer] < time.monotonic():
             del self._banned[peer]
         return (self.authorized is None or peer in self.authorized) and peer not in self._banned
+
+    @property
+    def _matchmaking(self) -> Any:
+        if "_matchmaking_" not in self.__dict__:  # the host process: hivemind builds it in the averager process
+            raise AttributeError("_matchmaking")
+        return self.__dict__["_matchmaking_"]
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking: Any) -> None:
+        """hivemind builds its Matchmaking in the averager process; as a follower ours never asks a leader that is
+        unlisted or banned to take it (it answers None, as for a leader that refused, and the search goes on)."""
+        ask = matchmaking._request_join_group
+
+        async def ask_admitted(leader: Any) -> Any:
+            return await ask(leader) if self._admitted(leader) else None
+
+        matchmaking._request_join_group = ask_admitted
+        self.__dict__["_matchmaking_"] = matchmaking
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
