@@ -6,7 +6,8 @@ Output:  ``Identity``: ``peer_id`` (what p2pd derives from the key, so a remote 
          the key), ``public_key`` (OpenSSH text, ``ssh-rsa AAAA...``: what ``--print-public-key`` prints, what
          ``swarm.authorized_keys`` lists and what hivemind's RSASignatureValidator puts in a signed subkey),
          ``sign``. ``peer_id_of(public_key)`` is the peer id that key stands for; ``verify`` checks a signature.
-         ``owner_of(subkey)`` is the public key inside a signed subkey (``b"[owner:ssh-rsa ...]"``).
+         ``owner_of(subkey)`` is the public key inside a signed subkey (``b"[owner:ssh-rsa ...]"``), ``signer_of``
+         the peer id that key stands for.
 State:   the private key (in memory, and in the identity file).
 Failure: ``IdentityError`` (a ``ValueError``) for a file that is not a libp2p RSA private key, with the path in
          the message. ``peer_id_of``/``verify``/``owner_of`` never raise on a stranger's bytes: None / False.
@@ -18,6 +19,7 @@ key, hivemind's ``context.remote_id`` is that id), so the peer id in a record, a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -31,7 +33,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-__all__ = ["Identity", "IdentityError", "owner_of", "peer_id_of", "read_authorized_keys", "verify"]
+__all__ = ["Identity", "IdentityError", "owner_of", "peer_id_of", "read_authorized_keys", "signer_of", "verify"]
 
 _OWNER_RE = re.compile(re.escape(RSASignatureValidator.PUBLIC_KEY_FORMAT).replace(b"_key_", rb"(.+?)"))
 MAX_PUBLIC_KEY_BYTES = 1024  # an OpenSSH RSA-2048 key is ~380 bytes; RSA-4096 ~720
@@ -137,6 +139,13 @@ def owner_of(subkey: object) -> bytes | None:
         return None
     found = _OWNER_RE.fullmatch(subkey)
     return found.group(1) if found else None
+
+
+@functools.lru_cache(maxsize=4096)  # every DHT read of a run's keys asks again for the same few signers
+def signer_of(subkey: object) -> str | None:
+    """The peer id of the key in a signed DHT subkey; None when it holds no RSA public key."""
+    owner = owner_of(subkey)
+    return peer_id_of(owner) if owner is not None else None
 
 
 def read_authorized_keys(path: str | os.PathLike[str]) -> frozenset[str]:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state
@@ -35,9 +34,10 @@ from p2p_diloco.config import Config
 from p2p_diloco.engine import Worker
 from p2p_diloco.fingerprint import fingerprint_differences
 from p2p_diloco.swarm.dht import SwarmSetupError, bounded
-from p2p_diloco.swarm.identity import Identity, owner_of, peer_id_of
+from p2p_diloco.swarm.identity import Identity, signer_of
 from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.sync import StateSync, Vouches
+from p2p_diloco.swarm.validators import owner_subkey
 
 __all__ = ["Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
@@ -75,10 +75,10 @@ class Membership:
         summary: dict[str, Any],
         authorized: frozenset[str] | None = None,
     ) -> None:
-        self.dht, self.cfg, self.identity, self.peer_id = dht, cfg, identity, identity.peer_id
+        self.dht, self.cfg, self.peer_id = dht, cfg, identity.peer_id
         self.fingerprint, self.summary, self.authorized = fingerprint, summary, authorized
         self.key = f"{cfg.swarm.run_id}_fingerprint"
-        self.subkey = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", identity.public_key)
+        self.subkey = owner_subkey(identity.public_key)
         self.timeout = cfg.swarm.dht_timeout
         self.states: list[RoundTag] = []  # our recent tags, oldest first
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
@@ -131,7 +131,7 @@ class Membership:
         out = {}
         announced_after = get_dht_time() - self.LIVE + self.cfg.swarm.record_ttl  # as an expiration time
         for subkey, item in entries.items():
-            peer = peer_id_of(owner_of(subkey) or b"")
+            peer = signer_of(subkey)
             announcement = getattr(item, "value", None)
             if peer is None or peer == self.peer_id or not isinstance(announcement, dict):
                 continue

@@ -48,7 +48,7 @@ from hivemind.dht import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.swarm.dht import bounded
-from p2p_diloco.swarm.identity import owner_of, peer_id_of
+from p2p_diloco.swarm.identity import signer_of
 
 __all__ = [
     "PeerRecord",
@@ -179,7 +179,7 @@ def screen_records(entries: Any, max_age: float | None = None, authorized: froze
     """Sort what ``DHT.get`` returned for the key into kept, bad and ignored entries. Pure; never raises.
 
     Bad: a subkey that is no owner subkey, a value that does not parse as a PeerRecord, a ``peer_id`` that is not
-    the signer's (``peer_id_of(owner_of(subkey))``: a node without validators may have stored it), and, among at
+    the signer's (``identity.signer_of(subkey)``: a node without validators may have stored it), and, among at
     least 3 otherwise good records, an ``outer_step`` more than MAX_STEP_LEAD above their median (the steps of a
     record must be near the swarm's). Ignored: peers outside ``authorized`` (when given) and, with ``max_age``,
     records whose ``time`` is older than that many seconds.
@@ -191,8 +191,7 @@ def screen_records(entries: Any, max_age: float | None = None, authorized: froze
     now = get_dht_time()
     kept: list[tuple[Any, PeerRecord, float]] = []
     for subkey, item in entries.items():
-        owner = owner_of(subkey)
-        signer = peer_id_of(owner) if owner is not None else None
+        signer = signer_of(subkey)
         try:
             record = PeerRecord.model_validate(getattr(item, "value", None))
         except pydantic.ValidationError:

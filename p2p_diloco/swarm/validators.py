@@ -40,7 +40,6 @@ counts below 2**62. Losses are not bounded: a NaN or infinite loss is how a dive
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from collections.abc import Sequence
@@ -56,7 +55,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.swarm.identity import Identity, owner_of, peer_id_of
+from p2p_diloco.swarm.identity import Identity, peer_id_of, signer_of
 from p2p_diloco.swarm.records import _PeerRecordWire, metrics_key
 
 __all__ = [
@@ -93,12 +92,6 @@ def fingerprint_key(run_id: str) -> str:
 def owner_subkey(public_key: bytes) -> bytes:
     """The signed subkey of ``public_key`` (``Identity.public_key``): what RSASignatureValidator signs for."""
     return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", public_key)
-
-
-@functools.lru_cache(maxsize=4096)
-def _peer_id_of_owner(subkey: bytes) -> str | None:
-    owner = owner_of(subkey)
-    return peer_id_of(owner) if owner is not None else None
 
 
 def _decodes(data: bytes) -> bool:
@@ -245,7 +238,7 @@ class MetricsBounds(RecordValidatorBase):
         value = MSGPackSerializer.loads(record.value)
         if not isinstance(value, dict):
             return "not a mapping"
-        signer = _peer_id_of_owner(subkey) if isinstance(subkey, bytes) else None
+        signer = signer_of(subkey)
         if signer is None or value.get("peer_id") != signer:
             return "peer_id is not the signer's"
         now = get_dht_time() if now is None else now
