@@ -129,17 +129,15 @@ class StateSync:
             return served[1], served[2]
         with self.lock:
             version, snapshot, consensus = self.version, self.worker.state.copy(), self.consensus
-        meta = {
-            "round": snapshot.round,
-            "checksum": snapshot.checksum(),
-            "fingerprint": self.fingerprint,
-            "consensus": consensus,
-        }
+        known = self._tag  # the snapshot is that version's state: a tag already hashed for it is its tag
+        tag = known[1] if known is not None and known[0] == version else RoundTag(snapshot.round, snapshot.checksum())
+        self._tag = (version, tag)
+        meta = {"round": tag.round, "checksum": tag.checksum, "fingerprint": self.fingerprint, "consensus": consensus}
         self._served = (version, meta, snapshot.tensors())
         return meta, snapshot.tensors()
 
     def tag(self) -> RoundTag:
-        """Our state's tag, computed once per state (the checksum hashes the whole state)."""
+        """Our state's tag, hashed once per state (the checksum hashes the whole state), here or by ``serve``."""
         version, cached = self.version, self._tag
         if cached is not None and cached[0] == version:
             return cached[1]
