@@ -94,7 +94,6 @@ def install(attack: str, scale: float) -> None:
 
         StateSync.serve = serve
         Membership.announce = announce_bogus
-        StateSync.advertise = lambda self: setattr(self.averager, "state_sharing_priority", 1e12)
     elif attack == "flood":
         flood = _flood
         _after_start(TrainingPeer, lambda peer: threading.Thread(target=flood, args=(peer, scale), daemon=True).start())

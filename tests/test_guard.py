@@ -39,8 +39,6 @@ class _SelfReducer:
 class _NoPeers:
     """The part of the averager StateSync uses, with nobody to download from."""
 
-    state_sharing_priority = 0.0
-
     def download(self, peer_id, timeout, max_tensors, max_bytes):
         return "nobody to download from"
 

@@ -32,7 +32,6 @@ class _Donors:
 
     def __init__(self, serves: dict[str, object]) -> None:
         self.serves, self.asked = serves, []
-        self.state_sharing_priority = 0.0
 
     def download(self, peer_id: str, timeout: float, max_tensors: int, max_bytes: int):
         self.asked.append(peer_id)

@@ -129,7 +129,6 @@ class TrainingPeer:
         first_state(worker, sync, members, cfg, self.opts)
         wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
         self.averager.set_state_provider(self.sync.serve)
-        self.sync.advertise()
         self.reporter = Reporter(cfg, self.log_dir, self.dht, self.peer_id, public_key)
         self.guard = RoundGuard(
             self.sync, s.rollback_after, s.max_failed_rounds, self.opts.stop.wait, fallback=self._checkpointed_state

@@ -208,16 +208,11 @@ class StateSync:
         return ""
 
     # ---------------------------------------------------------------- changing the state
-    def advertise(self) -> None:
-        """Tell downloaders how far our state is: hivemind serves the highest ``state_sharing_priority`` first."""
-        self.averager.state_sharing_priority = float(self.worker.state.round)
-
     def adopt(self, offer: Offer, why: str) -> None:
         with self.lock:
             self.worker.load_state(offer.state)
             self.consensus = offer.consensus
             self.version += 1
-        self.advertise()
         self.on_change()
         log.info("%s: took the outer state at %s", why, offer.tag)
 
@@ -227,7 +222,6 @@ class StateSync:
             lr = self.worker.apply_outer(averaged)
             self.consensus = consensus
             self.version += 1
-        self.advertise()
         self.on_change()
         return lr
 
@@ -251,7 +245,6 @@ class StateSync:
                 self.version += 1
                 self.worker.apply_outer(averaged)
                 self.consensus = True
-            self.advertise()
             self.on_change()
             return True
         if offer.state.round == group.round + 1:
