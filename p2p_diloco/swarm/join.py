@@ -37,7 +37,7 @@ from p2p_diloco.swarm.dht import SwarmSetupError, bounded
 from p2p_diloco.swarm.identity import Identity, signer_of
 from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.sync import StateSync, Vouches
-from p2p_diloco.swarm.validators import owner_subkey
+from p2p_diloco.swarm.validators import MAX_STATES, States, owner_subkey
 
 __all__ = ["Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
@@ -62,7 +62,7 @@ class PeerOptions:
 class Membership:
     """The run's signed announcements in the DHT: ours, and everybody else's (see the module docstring)."""
 
-    HISTORY = 8  # the tags of our last states we vouch for
+    HISTORY = MAX_STATES  # the tags of our last states we vouch for
     HEARTBEAT = 10.0  # seconds between refreshes of our announcement while the state does not change (``refresh``)
     LIVE = 30.0  # an announcement refreshed longer ago than this is a peer that left: it vouches, but is not "there"
 
@@ -180,18 +180,10 @@ class Membership:
 
 def _tags_of(announcement: dict) -> list[RoundTag]:
     """The tags an announcement vouches for, oldest first (the last is the state its peer holds); [] if malformed."""
-    states = announcement.get("states")
-    if not isinstance(states, list) or len(states) > Membership.HISTORY:
+    try:
+        return [RoundTag(rnd, checksum) for rnd, checksum in States.check(announcement.get("states"))]
+    except ValueError:
         return []
-    tags = []
-    for item in states:
-        if not (isinstance(item, list | tuple) and len(item) == 2):
-            return []
-        rnd, checksum = item
-        if not (isinstance(rnd, int) and not isinstance(rnd, bool) and 0 <= rnd < 2**53 and isinstance(checksum, str)):
-            return []
-        tags.append(RoundTag(rnd, checksum[:64]))
-    return tags
 
 
 def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Config, opts: PeerOptions) -> None:

@@ -65,6 +65,8 @@ __all__ = [
     "MAX_RECORD_TTL",
     "MAX_RATE",
     "MAX_STEP",
+    "MAX_STATES",
+    "States",
     "RecordGuard",
     "MetricsBounds",
     "fingerprint_key",
@@ -78,6 +80,7 @@ MAX_CLOCK_SKEW = 600.0  # seconds
 MAX_RECORD_TTL = 86400.0  # seconds: the longest DHT lifetime a metrics record may claim (swarm.record_ttl)
 MAX_RATE = 1e12  # tokens per second, seconds
 MAX_STEP = 2**40
+MAX_STATES = 8  # the recent outer states one announcement may vouch for (join.Membership keeps this many)
 MAX_COUNT = 2**62  # tokens, bytes, group size
 
 _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
@@ -174,13 +177,14 @@ class _Summary(_Checked):
         return value  # unchanged: SchemaValidator compares it with the wire value
 
 
-class _States(_Checked):
-    """A peer's recent outer states: a list of <= 8 pairs [round int >= 0, checksum str <= 64]."""
+class States(_Checked):
+    """A peer's recent outer states: a list of <= 8 pairs [round int >= 0, checksum str <= 64]. ``check`` raises
+    ValueError for anything else (join.py reads announcements through it too)."""
 
     @staticmethod
     def check(value: Any) -> Any:
-        if not isinstance(value, list | tuple) or len(value) > 8:
-            raise ValueError("states must be a list of at most 8 pairs")
+        if not isinstance(value, list | tuple) or len(value) > MAX_STATES:
+            raise ValueError(f"states must be a list of at most {MAX_STATES} pairs")
         for pair in value:
             if not isinstance(pair, list | tuple) or len(pair) != 2:
                 raise ValueError("each state must be a pair [round, checksum]")
@@ -198,7 +202,7 @@ class _FingerprintWire(pydantic_v1.BaseModel):
     fingerprint: pydantic_v1.constr(strict=True, max_length=64)
     summary: _Summary
     round: pydantic_v1.conint(strict=True, ge=0, lt=MAX_STEP)
-    states: _States
+    states: States
 
     class Config:
         extra = pydantic_v1.Extra.forbid
