@@ -38,14 +38,16 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
     """Run the 4-peer swarm (peer 3 attacks when ``attack`` is given); the honest peers' records and losses."""
     _, initial = start_bootstrap(spawn)
     dirs = [out / f"peer{k}" for k in range(4)]
-    linger = ["swarm.linger_seconds=20"] if late_joiner else []  # they serve the joiner until it is in
+    # with a late joiner there are 5 peers: a group target of 4 would split them every round, and two halves that
+    # tie have no majority (see the closing note of #10: such splits can leave honest peers diverged)
+    linger = ["swarm.linger_seconds=20", "swarm.target_group_size=5"] if late_joiner else []
     honest = [start_peer(spawn, initial, d, *SWARM, *linger, f"data.shard_index={k}") for k, d in enumerate(dirs[:3])]
     prefix = [*ATTACK_PEER, *attack] if attack else None
-    third = start_peer(spawn, initial, dirs[3], *SWARM, "data.shard_index=3", prefix=prefix)
+    third = start_peer(spawn, initial, dirs[3], *SWARM, *linger, "data.shard_index=3", prefix=prefix)
     joined = None
     if late_joiner:
         honest[0].wait_for_line(rf"^round [2-{ROUNDS}]/{ROUNDS} ", timeout=240)
-        late = start_peer(spawn, initial, out / "late", *SWARM, "data.shard_index=0", "swarm.start_peers=1")
+        late = start_peer(spawn, initial, out / "late", *SWARM, *linger, "data.shard_index=0", "swarm.start_peers=1")
         match = late.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=120)
         joined = {"round": int(match.group(1)), "checksum": match.group(2), "output": late.describe()}
         honest.append(late)
