@@ -114,7 +114,14 @@ class SwarmConfig:
     alone_policy: str = "local"  # local: take a local outer step | wait: retry until others come
     join_timeout: float = 60.0  # seconds to reach an initial peer and load state
     state_timeout: float = 60.0
-    part_size_bytes: int = 2 * 1024 * 1024
+    part_size_bytes: int = 2 * 1024 * 1024  # of fp32 values: each part holds part_size_bytes / 4 values, any codec
+    # How Δ and the group's mean travel (p2p_diloco/codec.py): none (fp32) | fp16 | bf16 | int8 (blockwise absmax,
+    # 128 values per fp32 scale, 1.03 bytes a value); reducers sum in fp32. Part of the fingerprint.
+    compression: str = "none"
+    # none: the peer waits for the round's all-reduce | eager: the all-reduce runs while the next round's inner
+    # steps do, from the outer state with this peer's own Δ applied at once, corrected with the group's Δ̄ when it
+    # arrives (engine.py).
+    overlap: str = "none"
     record_ttl: float = 120.0  # seconds a peer's DHT record stays fresh
     start_peers: int = 1  # wait (up to join_timeout) until this many peers of the run are up before round 1
     linger_seconds: float = 10.0  # after the last round, keep serving the state to peers that still resync
@@ -172,6 +179,8 @@ _CHOICES = {
     "inner.schedule": ("cosine", "constant"),
     "swarm.alone_policy": ("local", "wait"),
     "swarm.aggregation": ("mean", "median_filter", "median_clip", "centered_clip"),  # = robust.RULES
+    "swarm.compression": ("none", "fp16", "bf16", "int8"),  # = codec.CODECS
+    "swarm.overlap": ("none", "eager"),
 }
 
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +38,7 @@ from p2p_diloco.swarm.protocol import Action, Decision, Gathered, GatherPayload,
 
 __all__ = [
     "Contribution",
+    "Pending",
     "ReduceInfo",
     "Reducer",
     "RoundResult",
@@ -56,7 +59,8 @@ class ReduceInfo:
     local, or notes earlier failed attempts. Seconds and bytes are summed over attempts: ``check_seconds``
     validating the input (shapes, finite, fp32 CPU), ``copy_seconds`` moving it into the transport's buffers and
     the result back out (with its finite check), ``matchmaking_seconds`` forming the group, ``allreduce_seconds``
-    the exchange itself and the completeness vote.
+    the exchange itself and the completeness vote; ``wait_seconds`` is how long the worker's training waited for
+    the result (all of the reduce with ``swarm.overlap`` none; only what the next inner steps did not hide, eager).
     """
 
     group_size: int = 1
@@ -66,6 +70,7 @@ class ReduceInfo:
     copy_seconds: float = 0.0
     matchmaking_seconds: float = 0.0
     allreduce_seconds: float = 0.0
+    wait_seconds: float = 0.0  # the training thread blocked on this reduce: its exposed communication
     bytes_sent: int = 0
     bytes_received: int = 0
     reason: str = ""
@@ -106,6 +111,14 @@ class Contribution:
     inner: InnerStats
 
 
+@dataclass
+class Pending:
+    """An exchange in flight (``swarm.overlap`` eager): the contribution sent and the reduce's future result."""
+
+    mine: Contribution
+    result: Future  # -> (averaged, ReduceInfo)
+
+
 def fp32_bytes_sent(num_params: int, group_size: int) -> int:
     """Bytes one peer sends in a butterfly all-reduce of fp32 values: 2(n-1)/n x size."""
     if group_size <= 1:
@@ -137,6 +150,7 @@ class RoundResult:
             "reduce_attempts": self.reduce.attempts,
             "matchmaking_seconds": self.reduce.matchmaking_seconds,
             "allreduce_seconds": self.reduce.allreduce_seconds,
+            "comm_wait_seconds": self.reduce.wait_seconds,
             "bytes_sent": self.reduce.bytes_sent,
             "bytes_received": self.reduce.bytes_received,
             "outer_lr": self.outer_lr,
@@ -188,6 +202,12 @@ class Worker:
         total_steps = cfg.train.rounds * cfg.inner.steps
         self.inner = InnerOptimizer(self.model, cfg.inner, total_steps)
         self.state = OuterState.from_params(self.model.parameters())
+        # swarm.overlap eager: where the next inner steps start (the outer state with our own last Δ applied; None:
+        # the anchor), and the exchange in flight
+        self.start: list[torch.Tensor] | None = None
+        self.pending: Pending | None = None
+        self._exchanges: ThreadPoolExecutor | None = None
+        self._tag: tuple[OuterState, int, RoundTag] | None = None  # the tag of the state as it was last hashed
 
     def _counted(self, batches: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         for batch in batches:
@@ -227,24 +247,42 @@ class Worker:
         return autocast(self.device, self.cfg.model)
 
     def load_state(self, state: OuterState) -> None:
-        """Adopt an outer state received from elsewhere (join, resync, resume); θ ← its anchor."""
+        """Adopt an outer state received from elsewhere (join, resync, resume, roll back); θ ← its anchor (an
+        eager start point from the old state is dropped with it)."""
         self.state = state
+        self.start = None
         self.state.copy_to(self.model.parameters())
 
+    def reset_params(self) -> None:
+        """θ ← where this round's inner steps start: the eager start point if there is one, else the anchor."""
+        if self.start is None:
+            self.state.copy_to(self.model.parameters())
+            return
+        with torch.no_grad():
+            for p, x in zip(self.model.parameters(), self.start, strict=True):
+                p.copy_(x)
+
+    @property
+    def in_flight(self) -> int:
+        """1 while an exchange is in flight (its round's inner steps ran, its outer step is still to come), else 0."""
+        return 0 if self.pending is None else 1
+
     def train_inner(self, on_step: Callable[[int, float], None] | None = None) -> InnerStats:
-        """H inner steps from the current θ; the schedule continues at outer_step x H."""
+        """H inner steps from the current θ; the schedule continues at (rounds done or in flight) x H."""
         h = self.cfg.inner.steps
         try:
-            return self.inner.run(self.batches, h, self.state.round * h, self.autocast, self.device, on_step)
+            done = (self.state.round + self.in_flight) * h
+            return self.inner.run(self.batches, h, done, self.autocast, self.device, on_step)
         except Exception:
-            self.state.copy_to(self.model.parameters())
+            self.reset_params()
             raise
 
     def pseudo_grad(self) -> list[torch.Tensor]:
+        """Δ = where the inner steps started - θ."""
         try:
-            return pseudo_gradient(self.state.anchor, self.model.parameters())
+            return pseudo_gradient(self.state.anchor if self.start is None else self.start, self.model.parameters())
         except Exception:
-            self.state.copy_to(self.model.parameters())
+            self.reset_params()
             raise
 
     def apply_outer(self, avg_delta: list[torch.Tensor]) -> float:
@@ -257,7 +295,14 @@ class Worker:
         return lr
 
     def tag(self) -> RoundTag:
-        return RoundTag(self.state.round, self.state.checksum())
+        """The outer state's (round, checksum), hashed once per state: the state changes only through
+        ``load_state`` (a new object) and ``apply_outer`` (its round moves)."""
+        cached = self._tag
+        if cached is not None and cached[0] is self.state and cached[1] == self.state.round:
+            return cached[2]
+        tag = RoundTag(self.state.round, self.state.checksum())
+        self._tag = (self.state, self.state.round, tag)
+        return tag
 
     def outer_lr(self, round: int) -> float:
         return outer_lr_at(round, self.cfg.outer.lr, self.cfg.outer.lr_warmup_rounds)
@@ -329,10 +374,57 @@ class Worker:
         on_step: Callable[[int, float], None] | None = None,
         eval_sets: dict[str, torch.Tensor] | None = None,
     ) -> RoundResult | None:
-        """A whole round through a Reducer: contribute, reduce, settle. The path run_peer takes."""
+        """A whole round through a Reducer: contribute, reduce, settle (the path run_peer takes). With
+        ``swarm.overlap`` eager: contribute, settle the exchange that ran meanwhile (``drain``), send this one
+        (``launch``); its result is settled by the next call, or by ``drain`` after the last round."""
         mine = self.contribute(on_step)
-        averaged, info = reducer.reduce(mine.pseudo_grad, float(mine.inner.tokens), mine.payload)
-        return self.settle(mine, averaged, info, rules, sync, eval_sets)
+        if self.cfg.swarm.overlap == "none":
+            started = time.monotonic()
+            averaged, info = reducer.reduce(mine.pseudo_grad, float(mine.inner.tokens), mine.payload)
+            info.wait_seconds = time.monotonic() - started
+            return self.settle(mine, averaged, info, rules, sync, eval_sets)
+        result = self.drain(rules, sync, eval_sets)
+        if self._exchanges is None:
+            self._exchanges = ThreadPoolExecutor(1, thread_name_prefix="exchange")
+        self.launch(
+            mine,
+            lambda sent: self._exchanges.submit(
+                reducer.reduce, sent.pseudo_grad, float(sent.inner.tokens), sent.payload
+            ),
+        )
+        return result
+
+    def launch(self, mine: Contribution, send: Callable[[Contribution], Future]) -> Contribution:
+        """Eager: send ``mine`` tagged with the outer state as it is now (the state its group's Δ̄ will be applied
+        to), and start the next inner steps from that state with our own Δ applied at once (a copy: the outer state
+        itself moves only by ``drain``). Returns what was sent."""
+        sent = Contribution(mine.pseudo_grad, GatherPayload(self.tag(), mine.inner.tokens), mine.inner)
+        ahead = self.state.copy()
+        ahead.apply(mine.pseudo_grad, self.outer_lr(self.state.round), self.cfg.outer.momentum, self.cfg.outer.nesterov)
+        self.start = ahead.anchor
+        self.reset_params()
+        self.pending = Pending(sent, send(sent))
+        return sent
+
+    def drain(
+        self, rules: RoundRules, sync: SharedState | None = None, eval_sets: dict[str, torch.Tensor] | None = None
+    ) -> RoundResult | None:
+        """Eager: wait for the exchange in flight and settle it (the outer state moves by the group's Δ̄, or as
+        ``decide`` says); None when there is none or it changed nothing. θ ← the anchor afterwards."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        started = time.monotonic()
+        averaged, info = pending.result.result()
+        info.wait_seconds = time.monotonic() - started
+        self.start = None
+        return self.settle(pending.mine, averaged, info, rules, sync, eval_sets)
+
+    def close(self) -> None:
+        """Let the exchange thread go (drain first: an exchange still in flight here is abandoned)."""
+        if self._exchanges is not None:
+            self._exchanges.shutdown(wait=False, cancel_futures=True)
+            self._exchanges = None
 
     def maybe_evaluate(self, eval_sets: dict[str, torch.Tensor] | None) -> dict[str, float] | None:
         every = self.cfg.train.eval_every

@@ -32,15 +32,18 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from p2p_diloco.checkpoint import save_outer_state
+from p2p_diloco.codec import get_codec, roundtrip_parts
 from p2p_diloco.config import Config, ConfigError, load_config, write_run_metadata
 from p2p_diloco.data import DataError, DataPipeline
 from p2p_diloco.engine import Contribution, ReduceInfo, RoundResult, Worker, evaluate, fp32_bytes_sent
@@ -149,14 +152,11 @@ def simulate(
         initial["all"],
     )
     try:
-        for r in range(1, cfg.train.rounds + 1):
-            if mode in ("diloco", "fedavg"):
-                result = _diloco_round(pool, rules, eval_sets, hostile, agg_stats)
-            else:
-                inner = local.round()
-                sent = fp32_bytes_sent(num_params, workers) * (local.steps if mode == "sync" else 0)
-                info = ReduceInfo(group_size=workers, complete=True, attempts=1, bytes_sent=sent, bytes_received=sent)
-                result = RoundResult(r, inner, info, pool[0].state.checksum(), 0.0, pool[0].maybe_evaluate(eval_sets))
+        if mode in ("diloco", "fedavg"):
+            rounds = _diloco_rounds(pool, rules, eval_sets, hostile, agg_stats)
+        else:
+            rounds = _local_rounds(local, pool[0], eval_sets, fp32_bytes_sent(num_params, workers))
+        for r, result in enumerate(rounds, start=1):
             inner, evals = result.inner, result.eval_loss
             tokens_per_worker += inner.tokens // workers
             bytes_sent += result.reduce.bytes_sent
@@ -226,34 +226,97 @@ class _Attack:
 
 
 def _aggregate(cfg: Config, mine: list[Contribution], attack: _Attack, stats: AggregateStats) -> list[torch.Tensor]:
-    """The reducers' result for this round: ``swarm.aggregation`` over parts of ``swarm.part_size_bytes / 4``."""
+    """The reducers' result for this round, as the swarm's wire and reducers make it: each worker's Δ through
+    ``swarm.compression`` (parts of ``swarm.part_size_bytes / 4`` values per tensor, as hivemind cuts them),
+    ``swarm.aggregation`` over them, and the result through the codec again (what every member receives)."""
     s = cfg.swarm
+    codec, part_values = get_codec(s.compression), s.part_size_bytes // 4
     deltas, wire = attack.sent(mine)
+    deltas = [roundtrip_parts(d, codec, part_values) for d in deltas]
     if s.aggregation == "mean":  # as the swarm's plain mean: the wire weight as is
         weights = wire
     else:
         cap = max_round_tokens(cfg)
         weights = [trusted_weight(w, c.payload.tokens, cap) for w, c in zip(wire, mine, strict=True)]
-    return aggregate_flat(deltas, weights, s.aggregation, s.aggregation_clip, s.part_size_bytes // 4, stats)
+    averaged = aggregate_flat(deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats)
+    return roundtrip_parts(averaged, codec, part_values)
 
 
-def _diloco_round(
+def wire_bytes_sent(cfg: Config, shapes: list[torch.Size], group_size: int) -> int:
+    """What one peer of an even butterfly sends in a round: 2(n-1)/n x the encoded size of Δ (its parts)."""
+    if group_size <= 1:
+        return 0
+    codec, part_values = get_codec(cfg.swarm.compression), cfg.swarm.part_size_bytes // 4
+    encoded = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        full, rest = divmod(numel, part_values)
+        encoded += full * codec.encoded_size(part_values) + (codec.encoded_size(rest) if rest else 0)
+    return int(2 * (group_size - 1) / group_size * encoded)
+
+
+def _local_rounds(
+    local: _Local, worker: Worker, eval_sets: dict[str, torch.Tensor], step_bytes: int
+) -> Iterator[RoundResult]:
+    """sync/single: one model, a round of K x H batches each; sync sends one fp32 all-reduce per step."""
+    for r in range(1, worker.cfg.train.rounds + 1):
+        inner = local.round()
+        sent = step_bytes * (local.steps if local.mode == "sync" else 0)
+        info = ReduceInfo(group_size=len(local.shards), complete=True, attempts=1, bytes_sent=sent, bytes_received=sent)
+        yield RoundResult(r, inner, info, worker.state.checksum(), 0.0, worker.maybe_evaluate(eval_sets))
+
+
+def _diloco_rounds(
     pool: list[Worker],
     rules: RoundRules,
     eval_sets: dict[str, torch.Tensor],
     attack: _Attack,
     stats: AggregateStats,
+) -> Iterator[RoundResult]:
+    """Every round of the K workers through the same contribute/settle (and, with ``swarm.overlap`` eager, the same
+    launch/drain) as a swarm peer, with an in-process aggregation (``swarm.aggregation``) standing in for the
+    reducers. Eager: round r's mean is settled after round r+1's inner steps, the last one after the loop."""
+    cfg = pool[0].cfg
+    sent = wire_bytes_sent(cfg, [a.shape for a in pool[0].state.anchor], len(pool))
+    eager = cfg.swarm.overlap == "eager"
+    for _ in range(cfg.train.rounds):
+        mine = [w.contribute() for w in pool]
+        if not eager:
+            yield _settled(pool, mine, _aggregate(cfg, mine, attack, stats), sent, rules, eval_sets, settle=True)
+            continue
+        if pool[0].pending is not None:
+            yield _settled(pool, [w.pending.mine for w in pool], None, sent, rules, eval_sets, settle=False)
+        futures = [Future() for _ in pool]
+        launched = [w.launch(c, lambda _, f=f: f) for w, c, f in zip(pool, mine, futures, strict=True)]
+        averaged = _aggregate(cfg, launched, attack, stats)
+        gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(launched)})
+        for future in futures:
+            info = ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
+            future.set_result((averaged, info))
+    if eager and pool[0].pending is not None:
+        yield _settled(pool, [w.pending.mine for w in pool], None, sent, rules, eval_sets, settle=False)
+
+
+def _settled(
+    pool: list[Worker],
+    mine: list[Contribution],
+    averaged: list[torch.Tensor] | None,
+    sent: int,
+    rules: RoundRules,
+    eval_sets: dict[str, torch.Tensor],
+    settle: bool,
 ) -> RoundResult:
-    """One round of the K workers through the same contribute/settle as a swarm peer, with an in-process
-    aggregation (``swarm.aggregation``) standing in for the reducers."""
-    mine = [w.contribute() for w in pool]
-    averaged = _aggregate(pool[0].cfg, mine, attack, stats)
-    sent = fp32_bytes_sent(pool[0].num_params, len(pool))
-    gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
+    """Each worker settles the round (``settle`` with ``averaged``; or ``drain``, the exchange in flight, whose
+    contributions ``mine`` were); worker 0's result with the inner stats of all."""
     results = []
+    gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
     for k, (worker, contribution) in enumerate(zip(pool, mine, strict=True)):
-        info = ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
-        results.append(worker.settle(contribution, averaged, info, rules, eval_sets=eval_sets if k == 0 else None))
+        evals = eval_sets if k == 0 else None
+        if settle:
+            info = ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
+            results.append(worker.settle(contribution, averaged, info, rules, eval_sets=evals))
+        else:
+            results.append(worker.drain(rules, eval_sets=evals))
     if any(r is None or r.decision is not Action.APPLY for r in results):
         raise NonFiniteUpdateError(f"round {pool[0].state.round + 1}: a worker could not apply the mean")
     first = results[0]

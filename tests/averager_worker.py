@@ -56,7 +56,6 @@ class _Garbage:
 
 
 def _install_split_lie() -> None:
-    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
     from hivemind.proto import averaging_pb2
 
     from p2p_diloco.swarm.butterfly import ExactRunner
@@ -67,7 +66,7 @@ def _install_split_lie() -> None:
         victim = 0 if self.sender_peer_ids[0] != self.peer_id else 1  # our own slice takes another path
         async for reply in honest(self, stream, sender_index):
             if sender_index == victim:
-                off = serialize_torch_tensor(deserialize_torch_tensor(reply.tensor_part) * 1.001)
+                off = self.wire.compress(self.wire.extract(reply.tensor_part) * 1.001)
                 reply = averaging_pb2.AveragingData(code=reply.code, tensor_part=off)
             yield reply
 

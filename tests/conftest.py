@@ -1,5 +1,6 @@
 """Shared test setup: the repository root on sys.path (for ``peers``, ``scripts.procs`` and the working tree's
-``p2p_diloco`` ahead of any installed copy), and a fixture that cleans up child processes."""
+``p2p_diloco`` ahead of any installed copy), and a fixture that cleans up child processes (and, when the test
+failed, prints the tail of each one's output: CI keeps nothing else of a failed swarm)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,22 @@ if str(ROOT) not in sys.path:
 
 from scripts.procs import Proc  # noqa: E402
 
+TAIL_LINES = 60  # of each stream of each child, printed when a test fails
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, so a fixture's teardown can see whether the test failed."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
 
 @pytest.fixture
-def spawn():
-    """``spawn(args, env=None) -> Proc``; every process group it started is SIGKILLed at teardown."""
+def spawn(request):
+    """``spawn(args, env=None) -> Proc``; every process group it started is SIGKILLed at teardown, and when the
+    test failed the last TAIL_LINES lines of each child's stdout and stderr are printed (pytest shows them with the
+    failure)."""
     started: list[Proc] = []
 
     def _spawn(args: list[str], env: dict[str, str] | None = None) -> Proc:
@@ -28,3 +41,7 @@ def spawn():
     yield _spawn
     for proc in started:
         proc.kill_group()
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for k, proc in enumerate(started):
+            print(f"\n===== child {k} of {request.node.name}\n{proc.describe(TAIL_LINES)}", file=sys.stderr)

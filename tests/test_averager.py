@@ -11,10 +11,12 @@ import pytest
 import torch
 from averager_worker import make_grads
 
+from p2p_diloco.codec import Codec, roundtrip_parts
 from scripts.procs import Proc
 
 WORKER = Path(__file__).with_name("averager_worker.py")
 REPO = Path(__file__).resolve().parents[1]
+NONE = Codec("none")
 SHAPES = [[40, 50], [3000], [7, 11, 13]]  # 6001 floats in 3 tensors of different shapes
 FAST = dict(
     target_group_size=3,
@@ -94,45 +96,60 @@ def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], atol:
         assert torch.allclose(a, e, atol=atol, rtol=0), float((a - e).abs().max())
 
 
-def assert_payload_near_butterfly_bound(infos: list[dict], slack: float = 0.03) -> None:
-    """Measured payload bytes vs the fp32 butterfly: a member reducing m of S values in a group of n sends
-    S - m values to the other reducers and its averaged m values to the n - 1 others, and receives as much.
+def assert_payload_near_butterfly_bound(infos: list[dict], codec: Codec = NONE, slack: float = 0.03) -> None:
+    """Measured payload bytes vs the butterfly in ``codec``: a member reducing slice m of the vector in a group of n
+    sends the rest to the other reducers and its averaged slice to the n - 1 others, and receives as much.
 
     SHAPES fit in one 64 KiB part each; hivemind hands a whole part to the member whose equal share it overlaps
     most, so the slices are the three tensors (2000, 3000, 1001 values), in an order of members we don't know.
     Protobuf adds a few dozen bytes per message (``slack``).
     """
-    n, total = len(infos), sum(math.prod(shape) for shape in SHAPES)
-    bounds = sorted(4 * ((total - m) + (n - 1) * m) for m in (2000, 3000, 1001))
+    n, sizes = len(infos), [codec.encoded_size(math.prod(shape)) for shape in SHAPES]
+    total = sum(sizes)
+    bounds = sorted((total - m) + (n - 1) * m for m in sizes)
     for key in ("bytes_sent", "bytes_received"):
         measured = sorted(info[key] for info in infos)
         ratios = [got / bound for got, bound in zip(measured, bounds, strict=True)]
-        print(f"{key} / fp32 bound per member: {[round(r, 4) for r in ratios]}")
+        print(f"{key} / {codec.name} bound per member: {[round(r, 4) for r in ratios]}")
         assert all(1.0 <= r < 1.0 + slack for r in ratios), (key, measured, bounds)
-        assert 1.0 <= sum(measured) / (2 * (n - 1) * total * 4) < 1.0 + slack, (key, measured)
+        assert 1.0 <= sum(measured) / (2 * (n - 1) * total) < 1.0 + slack, (key, measured)
     assert sum(info["bytes_sent"] for info in infos) == sum(info["bytes_received"] for info in infos), infos
+
+
+def codec_parts(tensors: list[torch.Tensor], codec: Codec) -> list[torch.Tensor]:
+    """The tensors as the wire carries them in ``codec`` (SHAPES: one part each)."""
+    return roundtrip_parts(tensors, codec, FAST["part_size_bytes"] // 4)
 
 
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
-def test_three_peers_get_the_weighted_mean(spawn):
-    peers = start_swarm(spawn, 3)
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_three_peers_get_the_weighted_mean(spawn, compression):
+    codec = Codec(compression)
+    peers = start_swarm(spawn, 3, averager={**FAST, "compression": compression})
     weights = [1.0, 2.0, 5.0]
     for peer, weight in zip(peers, weights, strict=True):
         peer.send(f"REDUCE {weight}")
     results = [peer.expect("RESULT", 40) for peer in peers]
-    expected = weighted_mean([0, 1, 2], weights)
+    if compression == "none":
+        expected, atol = weighted_mean([0, 1, 2], weights), 1e-6
+    else:  # what the reducers see (each sender's parts through the codec), their mean through the codec again
+        sent = [codec_parts(make_grads(seed, SHAPES), codec) for seed in (0, 1, 2)]
+        total = sum(weights)
+        mean = [sum(w * g[i].double() for w, g in zip(weights, sent, strict=True)).float() / total for i in range(3)]
+        expected = codec_parts(mean, codec)
+        atol = 1.01 * max(float(t.abs().max()) for t in mean) / 127  # one int8 step: the sum's order may differ
     for peer, res in zip(peers, results, strict=True):
         info = res["info"]
         # a member that reaches matchmaking late can miss the first group (seen on a quiet machine): a retry is fine
         assert info["complete"] and info["group_size"] == 3 and info["attempts"] >= 1, info["reason"]
         assert sorted(p["tokens"] for p in info["gathered"]["payloads"].values()) == [1, 2, 5]  # every member's payload
         assert info["bytes_sent"] > 0 and info["matchmaking_seconds"] >= 0 and info["allreduce_seconds"] > 0
-        assert_close(peer.result(), expected)
+        assert_close(peer.result(), expected, atol)
     first = peers[0].result()
-    for peer in peers[1:]:
+    for peer in peers[1:]:  # bitwise the same on every member, whatever the codec
         assert all(torch.equal(a, b) for a, b in zip(first, peer.result(), strict=True))
-    assert_payload_near_butterfly_bound([res["info"] for res in results])
+    assert_payload_near_butterfly_bound([res["info"] for res in results], codec)
     for peer in peers:
         peer.send("EXIT")
     assert all(peer.expect("BYE", 20)["averager_alive"] is False for peer in peers)

@@ -18,7 +18,7 @@ import pytest
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state
 from p2p_diloco.config import load_config
-from p2p_diloco.simulate import simulate
+from p2p_diloco.simulate import simulate, wire_bytes_sent
 from scripts.procs import live_group_members, wait_until
 
 pytestmark = pytest.mark.swarm
@@ -93,7 +93,15 @@ def finish(procs, timeout: float) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
+@pytest.mark.parametrize(
+    ("compression", "overlap", "tolerance"),
+    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("int8", "eager", 1e-4)],
+    ids=["fp32-blocking", "fp32-eager", "int8-eager"],
+)
+def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, compression, overlap, tolerance):
+    """Bitwise agreement of every member every round, bytes as the codec encodes them, and the simulator's result.
+    With int8 the simulator's mean of a value can differ from a reducer's in the last bit (the senders are summed in
+    another order); a value near a rounding boundary then lands one int8 step away (seen: 2.4e-5), so 1e-4 there."""
     boot, initial = start_bootstrap(spawn)
     rounds = [
         "train.rounds=3",
@@ -101,6 +109,8 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
         "swarm.target_group_size=3",
         "swarm.min_group_size=3",
         "swarm.start_peers=3",
+        f"swarm.compression={compression}",
+        f"swarm.overlap={overlap}",
     ]
     dirs = [tmp_path / f"peer{k}" for k in range(3)]
     peers = [start_peer(spawn, initial, d, *rounds, f"data.shard_index={k}") for k, d in enumerate(dirs)]
@@ -108,6 +118,8 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
 
     by_step = checksums_by_step(dirs)
     assert sorted(by_step) == [1, 2, 3]
+    for step in sorted(by_step):
+        print(f"round {step}: " + "  ".join(r["checksum"] for d in dirs for r in records(d) if r["outer_step"] == step))
     assert all(len(c) == 1 for c in by_step.values()), by_step  # every peer, same state, every round
     for d in dirs:
         recs = records(d)
@@ -119,6 +131,7 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
             "compute_seconds",
             "matchmaking_seconds",
             "allreduce_seconds",
+            "comm_wait_seconds",
             "bytes_sent",
             "bytes_received",
             "peak_memory_bytes",
@@ -126,19 +139,27 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path):
             assert key in recs[0]
     timing = {
         k: round(sum(r[k] for d in dirs for r in records(d)) / 9, 3)
-        for k in ("compute_seconds", "matchmaking_seconds", "allreduce_seconds")
+        for k in ("compute_seconds", "matchmaking_seconds", "allreduce_seconds", "comm_wait_seconds")
     }
     print("mean per-round seconds over 3 peers x 3 rounds:", timing)
 
-    # the swarm equals the simulator with the same config, seeds and shards
+    # the bytes each round handed to the transport: the codec's encoded parts, 2(n-1) x Δ over the group
     cfg = load_config(TINY, [*FAST, *rounds])
+    shapes = [a.shape for a in load_outer_state(latest_checkpoint(dirs[0] / "checkpoints"))[0].anchor]
+    expected = 3 * wire_bytes_sent(cfg, shapes, 3)
+    for step in (1, 2, 3):
+        sent = sum(r["bytes_sent"] for d in dirs for r in records(d) if r["outer_step"] == step)
+        assert sent == sum(r["bytes_received"] for d in dirs for r in records(d) if r["outer_step"] == step)
+        assert 1.0 <= sent / expected < 1.03, (step, sent, expected)
+
+    # the swarm equals the simulator with the same config, seeds and shards
     simulate(cfg, "diloco", 3, tmp_path / "sim")
     sim, _ = load_outer_state(tmp_path / "sim" / "final_state")
     swarm, _ = load_outer_state(latest_checkpoint(dirs[0] / "checkpoints"))
     assert swarm.round == sim.round == 3
     diff = max((a - b).abs().max().item() for a, b in zip(swarm.anchor + swarm.momentum, sim.anchor + sim.momentum))
-    print(f"swarm vs simulator: max abs difference {diff:.3g}")
-    assert diff <= 1e-5
+    print(f"swarm vs simulator ({compression}, overlap {overlap}): max abs difference {diff:.3g}")
+    assert diff <= tolerance
 
 
 @pytest.mark.timeout(240)

@@ -84,9 +84,10 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asy
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
+from p2p_diloco.codec import get_codec
 from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
-from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner
+from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, WireCodec
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.identity import Identity, peer_id_of, verify
 from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, decide
@@ -160,6 +161,7 @@ class PseudoGradAverager(DecentralizedAverager):
         identity: Identity | None = None,
         authorized: frozenset[str] | None = None,
         max_state_downloads: int = 4,
+        compression: str = "none",
         start: bool = True,
         shutdown_timeout: float = 5.0,
     ):
@@ -183,7 +185,7 @@ class PseudoGradAverager(DecentralizedAverager):
             next_chunk_timeout=next_chunk_timeout,
             sender_timeout=next_chunk_timeout,
             reducer_timeout=2 * next_chunk_timeout,
-            compression=NoCompression(),
+            compression=WireCodec(get_codec(compression)),
             state_compression=NoCompression(),
             allow_state_sharing=False,
             shutdown_timeout=shutdown_timeout,
@@ -222,6 +224,7 @@ class PseudoGradAverager(DecentralizedAverager):
             "part_size_bytes",
             "round_deadline",
             "max_reduce_attempts",
+            "compression",
         )
         kw.setdefault("rules", RoundRules.from_config(swarm))
         kw.setdefault("aggregation", swarm.aggregation)

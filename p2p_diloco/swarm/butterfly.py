@@ -18,9 +18,9 @@ What differs from the stock runner:
 - the reducer keeps every sender's part and reduces them together (``robust.aggregate``: a mean whose senders
   are clipped, configured by ``swarm.aggregation``), each with the weight its gather payload declared, if the
   wire weight matches it and one round can hold it, else 0 (stock: the wire weight, whatever it is);
-- an averaged part longer than ``2 x aggregation_clip`` x this member's own part of it marks its reducer a liar
+- an averaged slice longer than ``2 x aggregation_clip`` x this member's own part of it marks its reducer a liar
   (``lying_reducers``): robust rules never average parts longer than clip x the median, so an honest reducer's
-  result stays within that bound (the averager fails the attempt and stops grouping with it);
+  slice stays within that bound (the averager fails the attempt and stops grouping with it);
 - payload bytes are counted where messages meet the transport, both as caller (``_get_peer_stub``: our parts
   to each reducer and its averaged parts back) and as handler (``rpc_aggregate_part``: a sender's parts and our
   replies): the protobuf ``ByteSize()`` of each message, before libp2p framing and encryption. The own slice is
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -39,14 +40,46 @@ from typing import Any
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from p2p_diloco.codec import Codec, CodecError
 from p2p_diloco.robust import aggregate, trusted_weight
 
-__all__ = ["Aggregation", "ExactRunner", "RobustPartReducer"]
+__all__ = ["Aggregation", "ExactRunner", "RobustPartReducer", "WireCodec"]
+
+_DTYPE_PREFIX = "p2p_diloco/"  # a part's dtype field names our codec, so a part in another format is refused
+
+
+class WireCodec(CompressionBase):
+    """A codec.Codec as hivemind's compression of the parts a member sends (TensorPartContainer calls
+    ``compress``). Parts keep ``part_size_bytes / 4`` values whatever the codec (the ratio hivemind sizes parts by
+    is 1), so the parts, and the simulator's copy of them, are the same for every codec."""
+
+    compression_type = runtime_pb2.CompressionType.NONE
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False) -> Any:
+        return runtime_pb2.Tensor(
+            buffer=self.codec.encode(tensor),
+            size=tuple(tensor.shape),
+            dtype=_DTYPE_PREFIX + self.codec.name,
+            compression=self.compression_type,
+        )
+
+    def extract(self, serialized: Any) -> torch.Tensor:
+        """The part's fp32 values; CodecError when it is not this codec's encoding of its stated shape."""
+        if serialized.dtype != _DTYPE_PREFIX + self.codec.name:
+            raise CodecError(f"a part in {serialized.dtype!r}, expected {_DTYPE_PREFIX + self.codec.name!r}")
+        shape = tuple(serialized.size)
+        return self.codec.decode(serialized.buffer, math.prod(shape)).view(shape)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 1.0
 
 
 async def _counted(messages: AsyncIterable[Any], counts: Counter[str], key: str) -> AsyncIterator[Any]:
@@ -116,6 +149,10 @@ class RobustPartReducer(TensorPartReducer):
             raise BannedException(f"sender {sender_index} was banned")
         if part_index != self.current_part_index or sender_index in self.current_parts:
             raise AllreduceException(f"sender {sender_index} sent part {part_index} twice or out of order")
+        if tensor_part.shape != self.part_shapes[part_index]:
+            raise AllreduceException(
+                f"sender {sender_index} sent part {part_index} of shape {tuple(tensor_part.shape)}"
+            )
         future = self.current_part_future
         declared = self.aggregation.declared[sender_index]
         trusted = 0.0 if declared is None else trusted_weight(weight, declared, self.aggregation.max_tokens)
@@ -150,18 +187,31 @@ class ExactRunner(AllReduceRunner):
         self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
         self.payload_bytes: Counter[str] = Counter(sent=0, received=0)
         # A reducer's averaged part can be no longer than the longest part it may accept: robust rules accept parts
-        # up to clip x the median norm. Measured all honest, our own part is within 1.54x the median, so an average
-        # over 2 x clip x our part's norm is a lie (for "mean", which accepts anything, there is no bound).
+        # up to clip x the median norm. Compared per reducer's slice (all its parts together), not per part: with
+        # non-IID shards one part (an embedding block our shard barely touched, a small tensor) can average to 6.7x
+        # our own part (tiny, H=50, 4 shards) while whole slices stayed within 0.88x our own slice; a per-part
+        # bound banned honest reducers. Over 2 x clip x our slice's norm, the slice is a lie ("mean" accepts
+        # anything: no bound).
         self.max_ratio = None if aggregation.rule == "mean" else 2.0 * aggregation.clip
-        self.own_norms = [[float(part.norm()) for part, _ in parts] for parts in container._input_parts_by_peer]
+        self.part_shapes_by_peer = [[part.shape for part, _ in parts] for parts in container._input_parts_by_peer]
+        own_parts = [[float(part.norm()) ** 2 for part, _ in parts] for parts in container._input_parts_by_peer]
+        self.own_slice_norms = [math.sqrt(sum(parts)) for parts in own_parts]
+        self._slice_sq = [0.0] * len(own_parts)  # per reducer: the squared norm of its averaged parts so far
+        self._slice_left = [len(parts) for parts in own_parts]
         self.lying_reducers: set[Any] = set()
         register = container.register_processed_part
 
         def checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
-            own, reducer = self.own_norms[peer_index][part_index], self.ordered_peer_ids[peer_index]
-            bound = None if self.max_ratio is None or reducer == self.peer_id or own <= 0 else self.max_ratio * own
-            if bound is not None and not part.norm() <= bound:
-                self.lying_reducers.add(self.ordered_peer_ids[peer_index])
+            self._slice_sq[peer_index] += float(part.norm()) ** 2
+            self._slice_left[peer_index] -= 1
+            own, reducer = self.own_slice_norms[peer_index], self.ordered_peer_ids[peer_index]
+            judged = self.max_ratio is not None and reducer != self.peer_id and own > 0
+            if (
+                judged
+                and self._slice_left[peer_index] == 0
+                and not math.sqrt(self._slice_sq[peer_index]) <= (self.max_ratio * own)
+            ):
+                self.lying_reducers.add(reducer)
             register(peer_index, part_index, part)
 
         container.register_processed_part = checked
@@ -178,16 +228,59 @@ class ExactRunner(AllReduceRunner):
                 self.payload_bytes["sent"] += reply.ByteSize()
                 yield reply
 
+    @property
+    def wire(self) -> WireCodec:
+        """The codec of this group's parts (the averager's ``compression``: the same on every member)."""
+        return self.tensor_part_container.compression
+
     async def _communicate_with_peer(self, peer_id: Any) -> None:
+        """Our parts to one reducer, its averaged parts back; for our own slice, the same encode/decode as the wire
+        (our part as the others' reach us, our result as the others receive it), so every member holds the same."""
+        index = self.ordered_peer_ids.index(peer_id)
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
-        index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
+            return await self._exchange_with(peer_id, index)
+        codec, sender_index = self.wire.codec, self.sender_peer_ids.index(peer_id)
         try:
             for part_index, part in enumerate(self.parts_for_local_averaging):
+                part = codec.roundtrip(part) if codec.name != "none" else part
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
+                averaged = codec.roundtrip(averaged) if codec.name != "none" else averaged
                 self.tensor_part_container.register_processed_part(index, part_index, averaged)
         except BaseException:
             self.tensor_part_container.register_failed_reducer(index)  # stock: our own slice would hang
+            raise
+
+    async def _exchange_with(self, peer_id: Any, index: int) -> None:
+        """Stock (allreduce.py:211-246), decoding with our codec: a reply that is no averaged part of the expected
+        shape in it fails that reducer's slice."""
+        container = self.tensor_part_container
+        shapes = self.part_shapes_by_peer[index]
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+
+            def decoded(message: Any) -> torch.Tensor:
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                return self.wire.extract(message.tensor_part)
+
+            async for averaged in amap_in_executor(
+                decoded, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
+            ):
+                if part_index >= len(shapes) or averaged.shape != shapes[part_index]:
+                    raise AllreduceException(f"{peer_id} sent an averaged part of shape {tuple(averaged.shape)}")
+                container.register_processed_part(index, part_index, averaged)
+                part_index += 1
+            if part_index != container.num_parts_by_peer[index]:
+                raise AllreduceException(
+                    f"{peer_id} sent {part_index} parts, expected {container.num_parts_by_peer[index]}"
+                )
+        except BaseException:
+            container.register_failed_reducer(index)
             raise
 
     async def _handle_missing_senders(self) -> None:
@@ -204,10 +297,12 @@ class ExactRunner(AllReduceRunner):
                         await self._ban_sender(peer_id)
 
     async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
-        part_index, loop = 0, asyncio.get_event_loop()
+        """A sender's parts decoded with our codec (one that does not decode bans the sender), our averaged parts
+        encoded with it."""
+        part_index, loop, wire = 0, asyncio.get_event_loop(), self.wire
         try:
-            async for part, weight, compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+            async for part, weight in amap_in_executor(
+                lambda msg: (wire.extract(msg.tensor_part), msg.weight),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
@@ -216,7 +311,7 @@ class ExactRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break  # the sender was banned in the background; stop aggregating it
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
+                serialized = await loop.run_in_executor(None, wire.compress, averaged)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -163,7 +163,8 @@ class TrainingPeer:
         RoundsFailing after swarm.max_failed_rounds failed rounds in a row (guard.py)."""
         if self.guard.pause():  # the backoff a failed round owes
             return None
-        worker, round = self.worker, self.worker.state.round + 1
+        worker = self.worker
+        round = worker.state.round + worker.in_flight + 1  # the round whose inner steps run now
         progress, close = self.reporter.progress(round, worker.device)
 
         def on_step(k: int, loss: float) -> None:
@@ -185,16 +186,14 @@ class TrainingPeer:
         or another error after joining: checkpointed first, then raised)."""
         try:
             self.start()
-            while self.worker.state.round < self.cfg.train.rounds and not self.opts.stop.is_set():
+            worker = self.worker
+            while worker.state.round + worker.in_flight < self.cfg.train.rounds and not self.opts.stop.is_set():
                 started = time.perf_counter()
-                result = self.run_round()
-                if result is None:
-                    continue
-                self.reporter.report(result, time.perf_counter() - started)
-                self.members.announce(self.sync.tag())
-                every = self.cfg.train.checkpoint_every
-                if every and result.outer_step % every == 0:
-                    self._checkpoint()
+                self._settled(self.run_round(), started)
+            if worker.in_flight:  # swarm.overlap eager: the last exchange (or the one a stop found in flight)
+                started = time.perf_counter()
+                drain = lambda: worker.drain(self.rules, self.sync, self.eval_sets)  # noqa: E731
+                self._settled(self.guard.run(worker.state.round + 1, drain), started)
             if self.opts.stop.is_set():
                 log.info("stop requested: leaving at round %d", self.worker.state.round)
             self._checkpoint()
@@ -216,6 +215,16 @@ class TrainingPeer:
             raise
         finally:
             self.close()
+
+    def _settled(self, result: RoundResult | None, started: float) -> None:
+        """A round that moved the outer state: report it, announce the new state, checkpoint when due."""
+        if result is None:
+            return
+        self.reporter.report(result, time.perf_counter() - started)
+        self.members.announce(self.sync.tag())
+        every = self.cfg.train.checkpoint_every
+        if every and result.outer_step % every == 0:
+            self._checkpoint()
 
     def _checkpoint(self) -> Path | None:
         """Save the outer state and this worker's own state; None when there is nothing (worth) saving."""
@@ -252,6 +261,8 @@ class TrainingPeer:
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
+        if self.worker is not None:
+            self.worker.close()
         if self.dht is not None:
             shutdown_dht(self.dht)
             self.dht = None

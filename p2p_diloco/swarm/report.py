@@ -86,7 +86,7 @@ class Reporter:
             f"round {result.outer_step}/{self.cfg.train.rounds}  loss {result.inner.mean_loss:.4f}{evl}  "
             f"{result.inner.tokens_per_second:,.0f} tok/s  group {r.group_size}  compute {result.inner.seconds:.1f}s"
             f"  comm {r.matchmaking_seconds + r.allreduce_seconds:.1f}s (matchmaking {r.matchmaking_seconds:.1f}s"
-            f" + all-reduce {r.allreduce_seconds:.1f}s)  checksum {result.checksum}",
+            f" + all-reduce {r.allreduce_seconds:.1f}s; waited {r.wait_seconds:.1f}s)  checksum {result.checksum}",
             flush=True,
         )
 

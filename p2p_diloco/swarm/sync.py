@@ -151,9 +151,7 @@ class StateSync:
         holders whose offer checks out; None (logged) when there is none within ``swarm.state_timeout``."""
         vouches, mine = self.vouches(), self.tag()
         for tag in vouches.unvouched(self.quorum, mine):
-            log.warning(
-                "not downloading %s: fewer than %d peers vouch for it", tag, vouches.quorum(self.quorum)
-            )
+            log.warning("not downloading %s: fewer than %d peers vouch for it", tag, vouches.quorum(self.quorum))
         deadline = time.monotonic() + self.timeout
         for tag, donors in vouches.offers(self.quorum, mine):
             if tag == mine or not wanted(tag):
@@ -294,7 +292,7 @@ class StateSync:
                 self.worker.load_state(self._start[1].copy())
                 self.consensus = self._start[2]
             else:
-                self.worker.state.copy_to(self.worker.model.parameters())
+                self.worker.reset_params()
 
     def last_good(self) -> Offer | None:
         """A copy of the last state from which a round's inner steps ran with a finite loss (None before one did)."""

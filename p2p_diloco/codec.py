@@ -1,0 +1,134 @@
+"""Pseudo-gradient codecs: how a part of Δ (or of the group's mean) is written on the wire (pure torch).
+
+Inputs:  a codec name (``swarm.compression``: none, fp16, bf16, int8); 1-D fp32 CPU tensors (parts of Δ).
+Output:  ``Codec.encode(part) -> bytes`` and ``Codec.decode(data, numel) -> fp32 tensor``; ``roundtrip(part)``
+         (decode of encode: what every receiver of that part holds); ``encoded_size(numel)``: the exact bytes;
+         ``roundtrip_parts(tensors, part_values)``: whole tensors cut into the swarm's parts (hivemind splits
+         each flattened tensor into consecutive parts of ``part_values`` values), each part round-tripped. The
+         simulator uses it to apply exactly what the swarm's wire does.
+State:   none.
+Failure: ``CodecError`` for an unknown name, and for bytes that are not an encoding of ``numel`` values (a
+         peer sending them is treated as a broken sender by the caller). Encoding assumes finite input
+         (the averager refuses non-finite Δ before this); fp16 saturates at +-65504 instead of overflowing.
+
+The codecs, bytes per value: ``none`` 4 (fp32 as is); ``fp16`` 2 (round to nearest, saturating); ``bf16`` 2
+(round to nearest even: fp32's range, 8 bits of mantissa); ``int8`` 1 + 4 / BLOCK: blockwise absmax, each
+block of ``BLOCK`` values scaled by its largest magnitude / 127 (one fp32 scale per block) and rounded to
+nearest, so a value's error is at most half its block's step (absmax / 254). Decoding is one multiply per
+value, the same IEEE operation on every peer: all receivers of the same bytes hold bitwise the same values.
+Every codec is deterministic (no stochastic rounding): the reducer's own slice goes through the same
+encode/decode as the slices it sends, which is what keeps a group's outer states bitwise equal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["BLOCK", "CODECS", "Codec", "CodecError", "get_codec", "roundtrip_parts"]
+
+BLOCK = 128  # int8: values per absmax scale (3% overhead: 1.03 bytes per value)
+_FP16_MAX = 65504.0
+
+
+class CodecError(ValueError):
+    """An unknown codec name, or bytes that do not decode to the values they claim."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One wire format for fp32 parts; see the module doc for each."""
+
+    name: str
+
+    def encoded_size(self, numel: int) -> int:
+        if self.name == "none":
+            return 4 * numel
+        if self.name in ("fp16", "bf16"):
+            return 2 * numel
+        return numel + 4 * math.ceil(numel / BLOCK)
+
+    @property
+    def bytes_per_value(self) -> float:
+        """For sizing parts and estimates: encoded bytes over values, for a part of many blocks."""
+        return {"none": 4.0, "fp16": 2.0, "bf16": 2.0}.get(self.name, 1.0 + 4.0 / BLOCK)
+
+    def encode(self, part: torch.Tensor) -> bytes:
+        flat = part.detach().reshape(-1).to("cpu", torch.float32)
+        if self.name == "none":
+            return flat.numpy().tobytes()
+        if self.name == "fp16":
+            return flat.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).numpy().tobytes()
+        if self.name == "bf16":
+            return flat.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        scales, codes = _int8_encode(flat)
+        return scales.numpy().tobytes() + codes.numpy().tobytes()
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        if len(data) != self.encoded_size(numel):
+            raise CodecError(f"{len(data)} bytes are no {self.name} encoding of {numel} values")
+        if self.name == "none":
+            return torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy())
+        if self.name == "fp16":
+            return torch.from_numpy(np.frombuffer(data, dtype=np.float16).copy()).to(torch.float32)
+        if self.name == "bf16":
+            raw = torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy())
+            return raw.view(torch.bfloat16).to(torch.float32)
+        blocks = math.ceil(numel / BLOCK)
+        scales = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=blocks).copy())
+        codes = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=4 * blocks).copy())
+        return _int8_decode(scales, codes, numel)
+
+    def roundtrip(self, part: torch.Tensor) -> torch.Tensor:
+        """What a receiver of ``part`` holds: decode(encode(part)), in ``part``'s shape (fp32)."""
+        if self.name == "none":
+            return part.detach().to("cpu", torch.float32).clone()
+        return self.decode(self.encode(part), part.numel()).view(part.shape)
+
+
+def _int8_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    numel = flat.numel()
+    blocks = math.ceil(numel / BLOCK)
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+    padded[:numel] = flat
+    grid = padded.view(blocks, BLOCK)
+    scales = grid.abs().amax(dim=1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(grid / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return scales, codes.view(-1)[:numel]
+
+
+def _int8_decode(scales: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
+    blocks = scales.numel()
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+    padded[:numel] = codes.to(torch.float32)
+    return (padded.view(blocks, BLOCK) * scales[:, None]).view(-1)[:numel].clone()
+
+
+CODECS = ("none", "fp16", "bf16", "int8")
+
+
+def get_codec(name: str) -> Codec:
+    if name not in CODECS:
+        raise CodecError(f"compression {name!r} is unknown: must be one of {', '.join(CODECS)}")
+    return Codec(name)
+
+
+def roundtrip_parts(tensors: Sequence[torch.Tensor], codec: Codec, part_values: int) -> list[torch.Tensor]:
+    """Each tensor as the swarm's receivers hold it: flattened, cut into parts of ``part_values`` values (the
+    last one shorter), each part round-tripped through ``codec``; fp32, in the tensor's shape."""
+    if part_values < 1:
+        raise CodecError(f"part_values {part_values} is invalid: must be >= 1")
+    out = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).to("cpu", torch.float32)
+        if codec.name == "none":
+            out.append(flat.clone().view(tensor.shape))
+            continue
+        parts = [codec.roundtrip(part) for part in flat.split(part_values)]
+        out.append((torch.cat(parts) if parts else flat.clone()).view(tensor.shape))
+    return out
