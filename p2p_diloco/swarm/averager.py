@@ -86,6 +86,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.codec import get_codec
 from p2p_diloco.engine import ReduceInfo
+from p2p_diloco.outer import is_finite
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
 from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, WireCodec
 from p2p_diloco.swarm.dht import children_ignore_sigint
@@ -94,6 +95,7 @@ from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, decid
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
+log = logging.getLogger("p2p_diloco.averager")
 BAN_SECONDS = 600.0  # how long a reducer caught lying is kept out of our groups
 _STATE_KEY = "p2p_diloco_state"  # wraps the metadata: hivemind drops a state whose metadata is falsy ({})
 
@@ -206,6 +208,10 @@ class PseudoGradAverager(DecentralizedAverager):
         self._banned: dict[str, float] = {}  # reducers caught lying -> until when we refuse to group with them
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
+        # host side: how many peers (us included) will come to this round's matchmaking (e.g. the run's live
+        # members); a leader then assembles as soon as that many joined, instead of at matchmaking_time
+        self.target_group_size_cap = target_group_size
+        self.expected_members: Callable[[], int] | None = None
         if start:
             self.run_in_background(await_ready=True, timeout=60)
 
@@ -259,7 +265,7 @@ class PseudoGradAverager(DecentralizedAverager):
             if tuple(grad.shape) != shape:
                 raise ValueError(f"pseudo_grads[{i}] has shape {tuple(grad.shape)}, expected {shape}")
             grad = grad.detach().to("cpu", torch.float32)
-            if not bool(torch.isfinite(grad).all()):
+            if not is_finite(grad):
                 raise ValueError(f"pseudo_grads[{i}] is not finite (NaN or inf); refusing to average it")
             out.append(grad)
         return out
@@ -323,6 +329,7 @@ class PseudoGradAverager(DecentralizedAverager):
             for buf, grad in zip(shared, grads, strict=True):
                 buf.copy_(grad)
         info.copy_seconds += time.monotonic() - t0
+        self._expect_members()
         t0, control = time.monotonic(), None
         # hivemind starts the all-reduce at the leader's deadline; a follower whose own step times out at the
         # same moment leaves a group the others then run without it. One more matchmaking period of slack.
@@ -350,12 +357,31 @@ class PseudoGradAverager(DecentralizedAverager):
         t0 = time.monotonic()
         with self.get_tensors() as shared:
             averaged = [buf.clone() for buf in shared]
-        finite = all(bool(torch.isfinite(t).all()) for t in averaged)
+        finite = all(is_finite(t) for t in averaged)
         info.copy_seconds += time.monotonic() - t0
         if not finite:
             return None, "the group's average is not finite", False
         info.group_size, info.gathered = out["group_size"], out["gathered"]
         return averaged, "", False
+
+    def _expect_members(self) -> None:
+        """Tell the averager process how many members to assemble a group at: the expected count, within
+        [min_group_size, target_group_size]. A leader whose group holds that many starts at once; one that waits
+        for a peer that does not come starts at matchmaking_time as before."""
+        if self.expected_members is None:
+            return
+        try:
+            expected = int(self.expected_members())
+        except Exception as exc:  # noqa: BLE001 - not knowing who will come only costs the wait
+            log.debug("expected members unknown (%r): assembling at target_group_size", exc)
+            expected = self.target_group_size_cap
+        size = max(self.matchmaking_kwargs["min_group_size"], min(self.target_group_size_cap, expected))
+        self._outer_pipe.send(("_set_group_target", [], dict(size=size)))
+
+    async def _set_group_target(self, size: int) -> None:
+        """(averager process) Assemble groups at ``size`` members from now on (the next step reads it)."""
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
 
     # ---------------------------------------------------------------- averager process: all-reduce + vote
     def _vote_state(self, group_id: bytes, members: Sequence[Any] | None = None) -> dict[str, Any]:

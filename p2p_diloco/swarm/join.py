@@ -144,6 +144,11 @@ class Membership:
         """Announcements of the other peers that share our fingerprint (they can average with us)."""
         return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
 
+    def expected_members(self) -> int:
+        """How many peers will come to a round's matchmaking: us and the live peers with our settings. The
+        averager assembles a group as soon as that many joined (swarm.target_group_size is only the cap)."""
+        return 1 + sum(1 for v in self.mates() if v.get("live"))
+
     def vouches(self) -> Vouches:
         """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch).
         A peer that left (its announcement not refreshed within LIVE seconds) still vouches for what it held, but

@@ -115,6 +115,7 @@ class TrainingPeer:
             identity=identity,
             authorized=authorized,
         )
+        self.averager.expected_members = members.expected_members
         self.sync = sync = StateSync(
             worker,
             self.averager,

@@ -6,9 +6,10 @@ Usage:
     python scripts/bench/utilisation.py --smoke [--out DIR/utilisation.json]   # 2 tiny peers, H=2, 2 rounds
 
 Each case starts a bootstrap node and ``--peers`` real ``run_peer`` processes on 127.0.0.1 (one data shard
-each, ``swarm.target_group_size = min_group_size = peers``, so a group forms as soon as every peer is
-ready; ``matchmaking_time`` 60 s so a peer that is a little late is waited for rather than left out;
-no evaluation or checkpoints, so only the round's own work counts). From each peer's metrics.jsonl, over
+each) with the preset's own swarm settings (``target_group_size`` 16 or 32: the group forms once the run's
+live peers are in, as a volunteer's would; ``swarm.start_peers = peers`` only holds round 1, which is not
+counted, until all are up; no evaluation or checkpoints, so only the round's own work counts). ``--set
+swarm.compression=int8 --set swarm.overlap=eager`` measures those settings. From each peer's metrics.jsonl, over
 the rounds after the first (the first one also absorbs the peers' staggered start-up):
     utilisation (wall)   = sum(compute_seconds) / (time of the last record - time of the first record)
     utilisation (rounds) = sum(compute_seconds) / sum(round_seconds)
@@ -63,10 +64,7 @@ def swarm_overrides(h: int, rounds: int, peers: int) -> list[str]:
         "logging.progress_bar=false",
         f"data.num_shards={peers}",
         f"swarm.run_id=util{uuid.uuid4().hex[:8]}",
-        f"swarm.target_group_size={peers}",
-        f"swarm.min_group_size={peers}",
-        "swarm.matchmaking_time=60",
-        "swarm.request_timeout=5",
+        f"swarm.start_peers={peers}",  # round 1 (not counted) waits for the others' start-up; the preset does the rest
         "swarm.allreduce_timeout=120",
         "swarm.next_chunk_timeout=30",
         "swarm.round_deadline=900",
@@ -92,6 +90,7 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     wall = rounds if first_only else records[-1]["time"] - records[0]["time"]
     mm = sum(r["matchmaking_seconds"] for r in later)
     ar = sum(r["allreduce_seconds"] for r in later)
+    waited = sum(r.get("comm_wait_seconds", r["matchmaking_seconds"] + r["allreduce_seconds"]) for r in later)
     n = len(later)
     return {
         "first_round_only": first_only,
@@ -103,6 +102,8 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         "matchmaking_per_round": mm / n,
         "allreduce_per_round": ar / n,
         "other_per_round": (wall - compute - mm - ar) / n,
+        "exposed_per_round": (wall - compute) / n,  # everything that is not inner steps: what overlap must hide
+        "comm_wait_per_round": waited / n,  # of it, waiting for the exchange (all of it without overlap)
         "wall_per_round": wall / n,
         "matchmaking_by_step": {r["outer_step"]: r["matchmaking_seconds"] for r in later},
         "first_round": {k: records[0][k] for k in ("compute_seconds", "matchmaking_seconds", "allreduce_seconds")},
@@ -222,15 +223,15 @@ def main(argv: list[str] | None = None) -> int:
                 if u is None:
                     rec.notes.append(f"{name} H={h}: not measured ({c['problem'] or 'fewer than 2 rounds'})")
                     continue
-                batch = next((s for s in sets if "batch_size" in s), None)
-                shrunk = f", batch shrunk ({', '.join(sets)})" if batch else ""
+                settings = ", ".join(sets) if sets else "preset defaults"
                 u_nsw = c["utilisation_without_straggler_wait"]
                 nsw = "-" if u_nsw is None else f"{100 * u_nsw:.1f}% without waiting for slower peers"
                 rec.add(
-                    figure=f"{name}, H={h}, {args.peers} peers{shrunk}: compute share of wall ({nsw}); per round "
-                    f"compute {c['compute_per_round']:.1f}s, matchmaking {c['matchmaking_per_round']:.2f}s "
-                    f"(protocol {c['matchmaking_protocol_per_round']:.2f}s, the rest waiting for the slowest peer), "
-                    f"all-reduce {c['allreduce_per_round']:.2f}s, other {c['other_per_round']:.2f}s ({counted})",
+                    figure=f"{name}, H={h}, {args.peers} peers ({settings}): compute share of wall ({nsw}); per "
+                    f"round compute {c['compute_per_round']:.1f}s, exposed {c['exposed_per_round']:.2f}s (waiting "
+                    f"for the exchange {c['comm_wait_per_round']:.2f}s); the exchange: matchmaking "
+                    f"{c['matchmaking_per_round']:.2f}s (protocol {c['matchmaking_protocol_per_round']:.2f}s), "
+                    f"all-reduce {c['allreduce_per_round']:.2f}s ({counted})",
                     value=u,
                     unit="share",
                     reference="all wall time in inner steps",
@@ -248,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         "No evaluation, no checkpoints. Peers share the machine's cores (1 torch thread each), so their compute "
         "speeds differ from round to round and the faster ones wait for the slowest inside matchmaking; 'without "
         "waiting for slower peers' removes, per round, each peer's matchmaking beyond the group's smallest "
-        "(the protocol's own latency, paid by the last peer to arrive). 'other' = wall - compute - matchmaking - "
-        "all-reduce: pseudo-gradient, copies and finite checks around the all-reduce, outer step, two sha256 "
-        "checksums of the outer state, DHT record publishing."
+        "(the protocol's own latency, paid by the last peer to arrive). 'exposed' = wall - compute: everything "
+        "the peer did besides inner steps (waiting for the exchange, pseudo-gradient, copies and finite checks, "
+        "outer step, the checksum of the outer state, DHT record publishing); with swarm.overlap=eager the "
+        "exchange's matchmaking and all-reduce run during the next inner steps, and only the wait remains."
     )
     path = rec.write(args.out)
     print(f"wrote {path}")
