@@ -6,10 +6,21 @@ Output:  RoundResult per applied round (inner stats, reduce info, the decision, 
 State:   the worker's model θ (on its device), its inner optimizer (kept across rounds), its copy of
          the replicated OuterState (anchor, momentum, round; fp32 CPU) and the number of batches it has
          taken from its shard. ``local_state``/``restore_local_state`` carry the parts no other peer
-         holds (AdamW moments, place in the shard) through a checkpoint.
+         holds (AdamW moments, place in the shard) through a checkpoint. With ``swarm.overlap`` eager also the
+         start point of the inner steps (``start``) and the exchange in flight (``pending``, one at most).
 Failure: ``contribute`` raises NonFiniteLossError / NonFiniteUpdateError (or whatever ``on_step`` raises, e.g.
-         a stop request) with θ reset to the unchanged anchor; ``settle`` never applies a non-finite Δ̄ (it logs,
-         resets θ and returns None).
+         a stop request) with θ reset to where the inner steps started; ``settle`` never applies a non-finite Δ̄
+         (it logs, resets θ and returns None).
+
+Overlap (``swarm.overlap``): none: ``run_round`` = contribute, reduce, settle; the peer waits for the exchange.
+eager: ``run_round`` = contribute (inner steps from ``start``), ``drain`` (wait for the exchange of the round
+before, which ran during these inner steps, and settle it: the replicated outer state moves by the group's Δ̄
+exactly as without overlap), ``launch`` (send this round's Δ in the background, tagged with the outer state it will
+be applied to; the next inner steps start from that state with this peer's own Δ applied at once, a local
+look-ahead the group's Δ̄ corrects one round later). The outer state, its checksum, the vote, catch-up, resync and
+checkpoints see only the replicated state, so they work as without overlap; a download (``load_state``) drops
+the look-ahead. The last exchange (or one in flight at a stop) is settled by ``drain`` before the peer checkpoints
+and leaves; a crash loses it with the rounds since the last checkpoint, as without overlap.
 
 The seam: this module knows nothing of hivemind. A Reducer takes this worker's Δ, its weight (tokens this
 round) and its GatherPayload, and returns the group's weighted mean Δ̄ and a ReduceInfo (with the group's

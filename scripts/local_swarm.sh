@@ -141,7 +141,7 @@ for ((k = 0; k < PEERS; k++)); do
   mkdir -p "$RUN_DIR/peer$k"
   start "$RUN_DIR/peer$k/stdout.log" "$PY" -m peers.run_peer --config "$CONFIG" --log-dir "$RUN_DIR/peer$k" \
     "${LOCAL[@]}" --initial-peers "${INITIAL_PEERS[@]}" --set "data.shard_index=$k" ${SHARDS[@]+"${SHARDS[@]}"} \
-    --set "swarm.target_group_size=$PEERS" --set "swarm.start_peers=$PEERS" ${PEER_ARGS[@]+"${PEER_ARGS[@]}"}
+    --set "swarm.start_peers=$PEERS" ${PEER_ARGS[@]+"${PEER_ARGS[@]}"}
   PEER_PIDS+=("${PIDS[-1]}")
 done
 

@@ -41,14 +41,18 @@ answering some peers only; the per-round checksum comparison of outer states is 
 stalled senders banned, payload bytes counted.
 
 Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
-process (the group is assembled; a group smaller than ``target_group_size`` forms only at the leader's
+process (the group is assembled; a group smaller than the expected size forms only at the leader's
 ``matchmaking_time`` deadline); ``allreduce_seconds`` from there to the end of the vote. Both are summed over
 attempts. ``bytes_sent`` / ``bytes_received`` are MEASURED payload bytes, also summed over attempts: the
 protobuf size of every all-reduce message this member handed to the transport / took from it, before libp2p
 framing and encryption (``ExactRunner`` counts them; the vote's few bytes are not counted). A member reducing
-``m`` of ``S`` fp32 values in a group of ``n`` sends ``S - m`` values to the other reducers and its averaged
-slice to ``n - 1`` members, ``4 ((S - m) + (n - 1) m)`` bytes (about ``2 (n - 1) / n`` of the vector), and
-receives as much; the messages add a few dozen bytes each to that.
+``m`` of ``S`` values in a group of ``n`` sends ``S - m`` values to the other reducers and its averaged
+slice to ``n - 1`` members, ``(S - m) + (n - 1) m`` values (about ``2 (n - 1) / n`` of the vector) in the wire
+codec (``compression``: codec.py; 4 bytes a value for none, 1.03 for int8), and receives as much; the messages
+add a few dozen bytes each to that.
+Group size: before each attempt ``expected_members()`` (the training peer: us and the run's live peers with our
+settings) tells the averager process to assemble a group at that many members (within ``min_group_size`` and
+``target_group_size``), so a leader starts as soon as everyone that will come is in, not at ``matchmaking_time``.
 
 State sharing: donors are chosen by the caller (sync.py: peers whose signed announcements vouch for the state),
 never from hivemind's unsigned ``all_averagers`` key, and ``download`` reads their stream with our own bounds
