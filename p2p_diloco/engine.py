@@ -429,6 +429,16 @@ class Worker:
         averaged, info = pending.result.result()
         info.wait_seconds = time.monotonic() - started
         self.start = None
+        sent = pending.mine.payload.tag
+        if self.tag() != sent:  # a rollback or a download replaced the state the group's Δ̄ belongs to
+            log.warning(
+                "round %d: the outer state changed while its exchange was in flight (%s, sent %s): result dropped",
+                sent.round + 1,
+                self.tag(),
+                sent,
+            )
+            self.reset_params()
+            return None
         return self.settle(pending.mine, averaged, info, rules, sync, eval_sets)
 
     def close(self) -> None:

@@ -211,3 +211,40 @@ def test_pretrained_model_loads_from_a_local_path(tmp_path):
     model.save_pretrained(tmp_path / "ckpt")
     loaded = build_model(load_config(TINY, [f"model.pretrained={tmp_path / 'ckpt'}"]).model, 257, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+
+
+def test_eager_overlap_keeps_the_outer_state_replicated_while_an_exchange_is_in_flight():
+    """swarm.overlap eager: after ``run_round`` the outer state is the one the exchange was tagged with (what a
+    checkpoint or a donor holds), θ is the look-ahead (that state plus the own Δ), the inner schedule counts the
+    round in flight, and ``drain`` applies the group's Δ̄ to the outer state only."""
+    cfg = load_config(TINY, ["inner.steps=3", "train.rounds=3", "swarm.overlap=eager", *FAST])
+    worker = Worker(cfg, 257, _batches(2))
+    seed_tag = worker.tag()
+    assert worker.run_round(_SelfReducer(), RoundRules()) is None  # its exchange is in flight
+    assert worker.in_flight == 1 and worker.pending.mine.payload.tag == seed_tag == worker.tag()
+    assert not all(torch.equal(a, p.detach()) for a, p in zip(worker.state.anchor, worker.model.parameters()))
+    assert all(torch.equal(x, p.detach()) for x, p in zip(worker.start, worker.model.parameters()))
+    sent = worker.pending.mine.pseudo_grad
+    expected = worker.state.copy()
+    expected.apply(sent, worker.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)
+    result = worker.run_round(_SelfReducer(), RoundRules())  # round 2's inner steps, then round 1 settled
+    assert result is not None and result.outer_step == 1 and worker.state.checksum() == expected.checksum()
+    assert int(next(iter(worker.inner.optimizer.state.values()))["step"]) == 6
+    last = worker.drain(RoundRules())
+    assert last is not None and last.outer_step == 2 and worker.pending is None and worker.start is None
+    assert all(torch.equal(a, p.detach()) for a, p in zip(worker.state.anchor, worker.model.parameters()))
+
+
+def test_eager_drops_an_exchange_whose_outer_state_was_replaced_meanwhile():
+    """A rollback or download while the exchange is in flight: its Δ̄ belongs to another state, so it is dropped
+    (not applied to the new one), and θ starts from the new anchor."""
+    cfg = load_config(TINY, ["inner.steps=2", "train.rounds=3", "swarm.overlap=eager", *FAST])
+    worker = Worker(cfg, 257, _batches(3))
+    worker.run_round(_SelfReducer(), RoundRules())
+    downloaded = worker.state.copy()
+    downloaded.round = 7
+    worker.load_state(downloaded)
+    assert worker.start is None
+    assert worker.drain(RoundRules()) is None
+    assert worker.state.round == 7 and worker.pending is None
+    assert all(torch.equal(a, p.detach()) for a, p in zip(worker.state.anchor, worker.model.parameters()))
