@@ -184,6 +184,7 @@ class ExactRunner(AllReduceRunner):
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
+        self.tensor_part_reducer.finished.set()  # the stock reducer it replaces: unused (else a warning as it goes)
         self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
         self.payload_bytes: Counter[str] = Counter(sent=0, received=0)
         # A reducer's averaged part can be no longer than the longest part it may accept: robust rules accept parts
