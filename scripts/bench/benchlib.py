@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -330,6 +331,26 @@ def start_swarm(
         args = [python, "-m", "peers.run_peer", "--config", config, "--log-dir", str(log_dir), *local, *sets]
         peers.append(Proc([*args, "--initial-peers", *initial], env=env))
     return boot, peers
+
+
+def run_overrides(h: int, rounds: int, peers: int, tag: str) -> list[str]:
+    """What every peer of a benchmark swarm gets: the run's length, one shard per peer, no eval, checkpoints or
+    lingering, a fresh run id, start-up timeouts, and ``swarm.start_peers = peers`` so that round 1 (which the
+    benchmarks do not count) starts once every peer is up; the preset's group size, matchmaking time and
+    communication timeouts stay."""
+    return [
+        f"inner.steps={h}",
+        f"train.rounds={rounds}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "logging.progress_bar=false",
+        f"data.num_shards={peers}",
+        f"swarm.run_id={tag}{uuid.uuid4().hex[:8]}",
+        f"swarm.start_peers={peers}",
+        "swarm.join_timeout=90",
+        "swarm.state_timeout=60",
+        "swarm.linger_seconds=0",
+    ]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

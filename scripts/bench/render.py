@@ -29,6 +29,7 @@ ITEMS = [
     ("memory", "5. Memory"),
     ("gpu_inner", "6. GPU: inner loop"),
     ("gpu_swarm", "6. GPU: 2-peer swarm sharing the GPU"),
+    ("netlab", "7. Communication on shaped links"),
 ]
 
 
