@@ -155,6 +155,7 @@ class RoundResult:
             "tokens": self.inner.tokens,
             "tokens_per_second": self.inner.tokens_per_second,
             "compute_seconds": self.inner.seconds,
+            "compute_started": self.inner.started,
             "peak_memory_bytes": self.inner.peak_memory_bytes,
             "group_size": self.reduce.group_size,
             "reduce_complete": self.reduce.complete,

@@ -59,6 +59,7 @@ class InnerStats:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    started: float = 0.0  # wall-clock time (time.time()) the steps began: with overlap, records lag their rounds
     losses: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
 
@@ -136,7 +137,7 @@ class InnerOptimizer:
         """Take ``steps`` optimizer steps starting at global step ``first_step``."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)  # an abandoned step's grads (NaN loss, stop) must not add up here
-        stats = InnerStats()
+        stats = InnerStats(started=time.time())
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()

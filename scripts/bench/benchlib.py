@@ -353,6 +353,13 @@ def run_overrides(h: int, rounds: int, peers: int, tag: str) -> list[str]:
     ]
 
 
+def window_start(records: list[dict[str, Any]]) -> float:
+    """Where the counted rounds (2..R) begin: when round 2's inner steps started. (With ``swarm.overlap`` eager a
+    round's record is written after the next round's inner steps, so the first record's time would cut one round
+    of compute out of the window; records without ``compute_started`` fall back to the first record's time.)"""
+    return float(records[1].get("compute_started") or records[0]["time"])
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

@@ -61,6 +61,7 @@ from benchlib import (  # noqa: E402
     read_jsonl,
     run_overrides,
     single_thread_env,
+    window_start,
 )
 from netns import Lab, LabError, unavailable  # noqa: E402
 
@@ -125,7 +126,7 @@ def analyse(records: list[dict[str, Any]], rate_mbit: float) -> dict[str, Any] |
         return None
     later = records[1:]
     n = len(later)
-    wall = records[-1]["time"] - records[0]["time"]
+    wall = records[-1]["time"] - window_start(records)
     compute = sum(r["compute_seconds"] for r in later)
     mm = sum(r["matchmaking_seconds"] for r in later)
     ar = sum(r["allreduce_seconds"] for r in later)

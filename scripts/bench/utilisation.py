@@ -36,7 +36,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import Recorder, exit_on_sigterm, fill_defaults, read_jsonl, run_overrides, start_swarm  # noqa: E402
+from benchlib import (  # noqa: E402
+    Recorder,
+    exit_on_sigterm,
+    fill_defaults,
+    read_jsonl,
+    run_overrides,
+    start_swarm,
+    window_start,
+)
 
 # name:config[:k=v,k=v]; rounds per H (the first round is not counted when there are 2 or more)
 DEFAULT_CASES = [
@@ -74,7 +82,7 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     later = records if first_only else records[1:]
     compute = sum(r["compute_seconds"] for r in later)
     rounds = sum(r["round_seconds"] for r in later)
-    wall = rounds if first_only else records[-1]["time"] - records[0]["time"]
+    wall = rounds if first_only else records[-1]["time"] - window_start(records)
     mm = sum(r["matchmaking_seconds"] for r in later)
     ar = sum(r["allreduce_seconds"] for r in later)
     waited = sum(r.get("comm_wait_seconds", r["matchmaking_seconds"] + r["allreduce_seconds"]) for r in later)
