@@ -45,6 +45,11 @@ SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
     "test_allreduce_smoke": ("allreduce.py", lambda d: ["--out", str(d / "allreduce.json")], 180),
     "test_utilisation_smoke": ("utilisation.py", lambda d: ["--out", str(d / "utilisation.json")], 180),
     "test_memory_smoke": ("memory.py", lambda d: ["--out", str(d / "memory.json")], 210),
+    "test_compression_quality_smoke": (
+        "compression_quality.py",
+        lambda d: ["--out", str(d / "compression_quality.json")],
+        150,
+    ),
     "test_run_all_smoke_writes_into_its_results_dir": (
         "run_all.py",
         lambda d: ["--only", "inner", "--results", str(d / "results")],
@@ -113,6 +118,13 @@ def test_comm_quality_smoke(smoke):
         assert r["value"] is None or (isinstance(r["value"], int) and r["value"] >= 0), r
     common = [r for r in data["rows"] if r["group"] == "common"]
     assert len(common) == 1 and positive(common[0]["value"]) and positive(common[0]["ratio"]), common
+
+
+@pytest.mark.timeout(240)
+def test_compression_quality_smoke(smoke):
+    _, out = smoke("test_compression_quality_smoke")
+    data = load(out / "compression_quality.json", "compression_quality")
+    assert data["rows"] and all(positive(r["value"]) and positive(r["ratio"]) for r in data["rows"]), data["rows"]
 
 
 @pytest.mark.swarm

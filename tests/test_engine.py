@@ -182,6 +182,8 @@ def test_every_mode_learns_on_tiny(tmp_path, mode):
             "inner.warmup_steps=10",
             "--set",
             "data.eval_batches=2",
+            "--set",
+            "swarm.compression=none",  # fp32 on the wire: bytes by the plain formula below
         ]
     )
     assert code == 0

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--total-steps {args.total_steps} is not a multiple of {h}")
     rec = Recorder("comm_quality", vars(args), smoke=args.smoke)
     common = [
+        "swarm.compression=none",  # DiLoCo's H against sync, both in fp32 (the codecs are compression_quality.py's)
         *args.overrides,
         "train.eval_every=1",
         "train.checkpoint_every=0",

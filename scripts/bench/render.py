@@ -30,6 +30,7 @@ ITEMS = [
     ("gpu_inner", "6. GPU: inner loop"),
     ("gpu_swarm", "6. GPU: 2-peer swarm sharing the GPU"),
     ("netlab", "7. Communication on shaped links"),
+    ("compression_quality", "8. Quality per codec and overlap"),
 ]
 
 

@@ -176,6 +176,8 @@ def run_case(
         "matchmaking_protocol_per_round": proto,
         "first_round_only": any(s["first_round_only"] for s in ok),
         "allreduce_per_round": mean("allreduce_per_round"),
+        "exposed_per_round": mean("exposed_per_round"),
+        "comm_wait_per_round": mean("comm_wait_per_round"),
         "other_per_round": mean("other_per_round"),
     }
 

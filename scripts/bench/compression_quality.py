@@ -1,0 +1,519 @@
+"""Item 8: quality at equal tokens of the wire codecs and of eager overlap, in the simulator (tiny and small).
+
+Usage:
+    python scripts/bench/compression_quality.py      # tiny and small, 29 runs (~37 CPU-min: ~20 min on 2 idle cores)
+    python scripts/bench/compression_quality.py --preset tiny --jobs 2 --seeds 1 2 3
+    python scripts/bench/compression_quality.py --preset small --rounds 6 --h 20 --rec-lr 0.7
+    python scripts/bench/compression_quality.py --smoke [--out DIR/compression_quality.json]  # tiny, 2 cases, 3 rounds
+
+Each case is one ``python -m p2p_diloco.simulate --mode diloco --workers 4`` run (a fresh single-threaded process,
+``--jobs`` at a time; runs are seeded and deterministic, so running them side by side changes only their wall time)
+with ``swarm.compression`` (p2p_diloco/codec.py: what each worker's Δ and the group's mean go through on the wire),
+``swarm.overlap`` (engine.py: eager = the all-reduce of round t runs during round t+1's inner steps), ``outer.lr``
+and ``seed`` set per case. Every case of a preset has the same rounds x H inner steps per worker (equal tokens).
+Cases per preset, at seed 0:
+    blocking (overlap none), the preset's outer lr: compression none, fp16, bf16, int8
+    eager, the preset's outer lr: compression none, int8
+    outer-lr check: blocking none and eager none at each other lr of the preset's list (``--lrs``)
+then, once the eager none runs of every lr are in, the recommended lr ("rec", ``--rec-lr`` fixes it) is the lr whose
+eager none run had the lowest final eval loss, and these are added:
+    eager int8 at rec (the recommended combination), and where the preset has extra seeds, blocking int8 at rec
+    extra seeds (``--seeds``, tiny only by default): blocking none at the preset lr and at rec, blocking int8 and
+    eager int8 at rec (the key comparisons, to see the seed-to-seed noise)
+Each case's final eval loss is compared with the blocking none run of the same preset, outer lr and seed
+("ratio") and with the blocking none run at the preset's own lr and the same seed ("vs default": the settings a
+run gets today). A seed changes the model's initialisation, the shards' order and the eval split (data.py hashes
+the seed into it), so absolute losses of different seeds are not comparable; their ratios are.
+MB sent per worker: the simulator's bytes_sent_per_worker (what one peer of a 4-peer butterfly sends: 2(n-1)/n x
+the encoded size of Δ per round, codec and part framing included), in 10^6 bytes.
+Output: scripts/bench/results/compression_quality.json (``--out`` to write elsewhere; ``--smoke`` without ``--out``:
+a temporary directory), rewritten after every case (``"complete": false`` until the end), plus markdown tables
+on stdout. A run that diverges (the simulator's exit 3) is recorded as diverged; a config error (exit 2) as not
+measured. Failure: any other failing run makes the exit status 1 (the other cases still run and are written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import RESULTS_DIR, ROOT, Recorder, exit_on_sigterm, fill_defaults, single_thread_env  # noqa: E402
+
+WORKERS = 4
+# name -> config, rounds, H, overrides, outer lrs to check (the preset's own first), extra seeds by default
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "config": "configs/tiny.yaml",
+        "rounds": 30,
+        "h": 10,
+        "overrides": ["data.eval_batches=16", "train.eval_every=5"],
+        "lrs": [0.7, 0.5, 0.4],
+        "seeds": [1, 2],
+    },
+    # small at batch 1 x 32 (its own 16 x 256 takes about 1 s a step a core; see utilisation.py), the inner warmup
+    # scaled to the short run (the preset's 100 steps would be two thirds of it), eval on 32 rows of each label
+    # (eval batches are of data.batch_size rows) at the start and the end only
+    "small": {
+        "config": "configs/small.yaml",
+        "rounds": 10,
+        "h": 15,
+        "overrides": [
+            "data.batch_size=1",
+            "data.seq_len=32",
+            "data.eval_batches=32",
+            "inner.warmup_steps=25",
+            "train.eval_every=0",
+        ],
+        "lrs": [1.0, 0.7],
+        "seeds": [],
+    },
+}
+DEFAULTS: dict[str, Any] = {"preset": ["tiny", "small"], "jobs": 2}
+SMOKE: dict[str, Any] = {"preset": ["tiny"], "rounds": 3, "h": 2, "lrs": [], "seeds": [], "jobs": 2}
+SMOKE_OVERRIDES = ["data.batch_size=2", "data.seq_len=32", "data.eval_batches=1", "train.eval_every=0"]
+
+
+# peak RSS of one run (MiB) before any run of the preset has finished; then the largest seen is used
+PEAK_MIB = {"tiny": 700, "small": 3700}
+MARGIN_MIB = 1024  # left free when a run starts beside others (the machine is shared: an OOM kill costs a rerun)
+RETRIES = 2  # reruns of a case killed by SIGKILL (the OOM killer, most likely)
+
+
+def mem_available_mib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    preset: str
+    compression: str
+    overlap: str
+    lr: float
+    seed: int
+    role: str  # why it is in the plan: codec, eager, lr_check, recommended, seed
+
+    @property
+    def name(self) -> str:
+        over = "+eager" if self.overlap == "eager" else ""
+        return f"{self.preset}/{self.compression}{over}/lr{self.lr:g}/s{self.seed}"
+
+    def key(self) -> tuple[str, str, str, float, int]:
+        return (self.preset, self.compression, self.overlap, self.lr, self.seed)
+
+
+def preset_lr(preset: str) -> float:
+    from p2p_diloco.config import load_config
+
+    return float(load_config(ROOT / PRESETS[preset]["config"], []).outer.lr)
+
+
+def plan_first(preset: str, base_lr: float, lrs: list[float]) -> list[Case]:
+    """The seed-0 cases that do not depend on the recommended lr; the eager none runs first (they decide it)."""
+    eager = [Case(preset, "none", "eager", lr, 0, "eager" if lr == base_lr else "lr_check") for lr in lrs]
+    rest = [Case(preset, c, "none", base_lr, 0, "codec") for c in ("none", "fp16", "bf16", "int8")]
+    rest.append(Case(preset, "int8", "eager", base_lr, 0, "eager"))
+    rest += [Case(preset, "none", "none", lr, 0, "lr_check") for lr in lrs if lr != base_lr]
+    return eager + rest
+
+
+def plan_second(preset: str, base_lr: float, rec: float, seeds: list[int]) -> list[Case]:
+    """Cases at the recommended lr: the recommended combination and the extra seeds' key comparisons."""
+    out = [Case(preset, "int8", "eager", rec, 0, "recommended")]
+    if seeds:
+        out.append(Case(preset, "int8", "none", rec, 0, "recommended"))
+    for s in seeds:
+        out += [
+            Case(preset, "none", "none", base_lr, s, "seed"),
+            Case(preset, "none", "none", rec, s, "seed"),
+            Case(preset, "int8", "none", rec, s, "seed"),
+            Case(preset, "int8", "eager", rec, s, "seed"),
+        ]
+    return out
+
+
+def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
+    spec = PRESETS[case.preset]
+    rounds = args.rounds or spec["rounds"]
+    h = args.h or spec["h"]
+    base = SMOKE_OVERRIDES if args.smoke else spec["overrides"]
+    return [
+        *base,
+        *args.overrides,
+        f"inner.steps={h}",
+        f"train.rounds={rounds}",
+        "train.checkpoint_every=0",
+        f"swarm.compression={case.compression}",
+        f"swarm.overlap={case.overlap}",
+        f"outer.lr={case.lr:g}",
+        f"seed={case.seed}",
+    ]
+
+
+class Runner:
+    """Up to ``jobs`` simulator processes at once, each in its own session; os.wait4 gives each one's CPU time."""
+
+    def __init__(self, jobs: int, workdir: Path) -> None:
+        self.jobs, self.workdir = jobs, workdir
+        self.running: dict[int, tuple[Case, subprocess.Popen, float, Path, Any]] = {}
+        self.peak_mib = dict(PEAK_MIB)
+
+    def fits(self, case: Case) -> bool:
+        """Whether ``case`` may start now: always when nothing runs, else when its expected peak RSS (plus the
+        margin, plus what the runs started in the last minute may still grow by) is available."""
+        if not self.running:
+            return True
+        young = sum(
+            self.peak_mib.get(c.preset, 0) for c, _, t0, _, _ in self.running.values() if time.monotonic() - t0 < 60
+        )
+        return mem_available_mib() >= self.peak_mib.get(case.preset, 1024) + MARGIN_MIB + young
+
+    def start(self, case: Case, args: argparse.Namespace) -> None:
+        out = self.workdir / case.name.replace("/", "_")
+        sets: list[str] = []
+        for o in overrides_for(case, args):
+            sets += ["--set", o]
+        cmd = [
+            sys.executable, "-m", "p2p_diloco.simulate", "--config", PRESETS[case.preset]["config"],
+            "--mode", "diloco", "--workers", str(WORKERS), "--out", str(out), *sets,
+        ]  # fmt: skip
+        out.mkdir(parents=True, exist_ok=True)
+        log = (out / "simulate.log").open("w")
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=single_thread_env(1), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        self.running[proc.pid] = (case, proc, time.monotonic(), out, log)
+
+    def wait_one(self, timeout: float | None = None) -> tuple[Case, dict[str, Any]] | None:
+        """Wait until a run ends: its case and record (status, results, wall and CPU seconds, log tail); None when
+        none ended within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            for pid in list(self.running):
+                done, status, usage = os.wait4(pid, os.WNOHANG)
+                if done == 0:
+                    continue
+                case, proc, t0, out, log = self.running.pop(pid)
+                log.close()
+                rc = os.waitstatus_to_exitcode(status)
+                proc.returncode = rc  # reaped here, not by Popen
+                record = self._record(case, rc, time.monotonic() - t0, usage, out)
+                self.peak_mib[case.preset] = max(self.peak_mib.get(case.preset, 0), record["peak_rss_mib"])
+                return case, record
+            time.sleep(0.5)
+        return None
+
+    @staticmethod
+    def _record(case: Case, rc: int, wall: float, usage: Any, out: Path) -> dict[str, Any]:
+        tail = (out / "simulate.log").read_text(errors="replace").splitlines()[-15:]
+        rec: dict[str, Any] = {
+            "case": case.name,
+            **dataclasses.asdict(case),
+            "rc": rc,
+            "wall_seconds": round(wall, 1),
+            "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024),
+        }
+        if rc == 0:
+            res = json.loads((out / "results.json").read_text())
+            rec.update(
+                status="ok",
+                final_eval_loss=res["final_eval_loss"],
+                initial_eval_loss=res["initial_eval_loss"],
+                eval_loss_per_round=res["eval_loss_per_round"],
+                bytes_sent_per_worker=res["bytes_sent_per_worker"],
+                mb_sent_per_worker=res["bytes_sent_per_worker"] / 1e6,
+                tokens_per_worker=res["tokens_per_worker"],
+                num_params=res["num_params"],
+                rounds=res["rounds"],
+                inner_steps=res["inner_steps"],
+                simulator_wall_seconds=round(res["wall_seconds"], 1),
+            )
+        else:
+            rec.update(
+                status={3: "diverged", 2: "not measured (config error)", -9: "killed"}.get(rc, "failed"),
+                final_eval_loss=None,
+                log_tail=tail,
+            )
+        return rec
+
+    def kill_all(self) -> None:
+        for pid, (_, _, _, _, log) in list(self.running.items()):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            log.close()
+        self.running.clear()
+
+
+def find(records: dict[tuple, dict[str, Any]], preset: str, comp: str, over: str, lr: float, seed: int):
+    r = records.get((preset, comp, over, lr, seed))
+    return r if r is not None and r.get("final_eval_loss") is not None else None
+
+
+def add_ratios(records: dict[tuple, dict[str, Any]], base_lrs: dict[str, float]) -> None:
+    for (preset, _, _, lr, seed), r in records.items():
+        ref = find(records, preset, "none", "none", lr, seed)
+        dflt = find(records, preset, "none", "none", base_lrs[preset], seed)
+        loss = r.get("final_eval_loss")
+        r["reference_loss"] = ref["final_eval_loss"] if ref else None
+        r["ratio"] = loss / ref["final_eval_loss"] if loss is not None and ref else None
+        r["default_loss"] = dflt["final_eval_loss"] if dflt else None
+        r["ratio_vs_default"] = loss / dflt["final_eval_loss"] if loss is not None and dflt else None
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def tables(records: dict[tuple, dict[str, Any]], base_lrs: dict[str, float], rec_lrs: dict[str, float]) -> str:
+    lines: list[str] = []
+    for preset in base_lrs:
+        rows = [r for k, r in records.items() if k[0] == preset and k[4] == 0]
+        if not rows:
+            continue
+        rows.sort(
+            key=lambda r: (r["overlap"] != "none", -r["lr"], ["none", "fp16", "bf16", "int8"].index(r["compression"]))
+        )
+        lines += [
+            f"\n{preset} (seed 0; preset outer lr {base_lrs[preset]:g}, "
+            f"recommended lr {fmt(rec_lrs.get(preset), 'g')})\n",
+            "| compression | overlap | outer lr | final eval loss | ratio (same lr) | ratio (vs default) "
+            "| MB sent/worker | wall s | status |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['compression']} | {r['overlap']} | {r['lr']:g} | {fmt(r.get('final_eval_loss'), '.4f')} "
+                f"| {fmt(r.get('ratio'), '.4f')} | {fmt(r.get('ratio_vs_default'), '.4f')} "
+                f"| {fmt(r.get('mb_sent_per_worker'), '.2f')} | {r['wall_seconds']:.0f} | {r['status']} |"
+            )
+        seeds = sorted({k[4] for k in records if k[0] == preset})
+        rec = rec_lrs.get(preset)
+        if len(seeds) > 1 and rec is not None:
+            base = base_lrs[preset]
+            combos = [("none", "none", base), ("none", "none", rec), ("int8", "none", rec), ("int8", "eager", rec)]
+            combos = list(dict.fromkeys(combos))
+            lines += [
+                f"\n{preset}: seeds (final eval loss; ratio to blocking none at lr {rec:g} of the same seed; "
+                f"vs default = to blocking none at lr {base:g})\n",
+                "| seed | "
+                + " | ".join(f"{c}{'+eager' if o == 'eager' else ''} lr{lr:g}" for c, o, lr in combos)
+                + " |",
+                "|---|" + "---|" * len(combos),
+            ]
+            for s in seeds:
+                cells = []
+                for c, o, lr in combos:
+                    r = records.get((preset, c, o, lr, s))
+                    if r is None or r.get("final_eval_loss") is None:
+                        cells.append("-" if r is None else r["status"])
+                    else:
+                        cells.append(
+                            f"{r['final_eval_loss']:.4f} (x{fmt(r.get('ratio'), '.4f')}; "
+                            f"vs default x{fmt(r.get('ratio_vs_default'), '.4f')})"
+                        )
+                lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=None, help="presets (tiny small)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds for every preset (tiny 30, small 10)")
+    p.add_argument("--h", type=int, default=None, help="inner steps per round for every preset (tiny 10, small 15)")
+    p.add_argument("--lrs", type=float, nargs="*", default=None, help="outer lrs to check besides the preset's own")
+    p.add_argument("--seeds", type=int, nargs="*", default=None, help="extra seeds for every preset (tiny: 1 2)")
+    p.add_argument("--rec-lr", type=float, default=None, help="recommended outer lr (default: best eager none run)")
+    p.add_argument("--jobs", type=int, default=None, help="simulations at once, one thread each (2)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="config override k=v (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/compression_quality.json)")
+    p.add_argument(
+        "--resume", action="store_true", help="keep the finished cases of the --out file that have the same settings"
+    )
+    p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
+    args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
+    exit_on_sigterm()
+    rec = Recorder("compression_quality", vars(args), smoke=args.smoke)
+    base_lrs = {preset: preset_lr(preset) for preset in args.preset}
+    target = args.out  # one file, rewritten after every case (a smoke run without --out: one temporary directory)
+    if target is None:
+        target = (
+            Path(tempfile.mkdtemp(prefix="bench_smoke_compression_quality_")) / "compression_quality.json"
+            if args.smoke
+            else RESULTS_DIR / "compression_quality.json"
+        )
+    lrs = {
+        preset: list(dict.fromkeys([base_lrs[preset], *(PRESETS[preset]["lrs"] if args.lrs is None else args.lrs)]))
+        for preset in args.preset
+    }
+    seeds = {preset: PRESETS[preset]["seeds"] if args.seeds is None else args.seeds for preset in args.preset}
+    if args.smoke:  # 2 cases: the reference and the recommended combination at the preset's lr
+        queue = [Case("tiny", "none", "none", base_lrs["tiny"], 0, "codec")]
+        queue.append(Case("tiny", "int8", "eager", base_lrs["tiny"], 0, "recommended"))
+        second_done = set(args.preset)
+    else:
+        # the longest runs first (small), so that the short ones fill the end
+        queue = [
+            c
+            for preset in sorted(args.preset, key=lambda n: n != "small")
+            for c in plan_first(preset, base_lrs[preset], lrs[preset])
+        ]
+        second_done: set[str] = set()
+    rec_lrs: dict[str, float] = {}
+    records: dict[tuple, dict[str, Any]] = {}
+    planned = {c.key() for c in queue}
+    total = len(queue)
+    rec.data.update(complete=False, workers=WORKERS, presets={}, recommended_lr=rec_lrs, cases=[])
+    for preset in args.preset:
+        spec = PRESETS[preset]
+        rec.data["presets"][preset] = {
+            "config": spec["config"],
+            "rounds": args.rounds or spec["rounds"],
+            "h": args.h or spec["h"],
+            "overrides": [*(SMOKE_OVERRIDES if args.smoke else spec["overrides"]), *args.overrides],
+            "preset_outer_lr": base_lrs[preset],
+            "lrs_checked": lrs[preset],
+            "extra_seeds": seeds[preset],
+        }
+    if args.resume and target.exists():
+        old = json.loads(target.read_text())
+        same = {n for n, spec in old.get("presets", {}).items() if spec == rec.data["presets"].get(n)}
+        for r in old.get("cases", []):
+            case = Case(r["preset"], r["compression"], r["overlap"], r["lr"], r["seed"], r["role"])
+            if r["preset"] in same and r["status"] in ("ok", "diverged"):
+                records[case.key()] = r
+        queue = [c for c in queue if c.key() not in records]
+        planned |= set(records)
+        total = len(planned)
+        print(f"compression_quality: resumed {len(records)} finished runs from {target}", flush=True)
+    started = time.monotonic()
+    failed = 0
+    attempts: dict[tuple, int] = {}
+    print(f"compression_quality: {total} runs planned so far, {args.jobs} at a time", flush=True)
+
+    def publish() -> None:
+        add_ratios(records, base_lrs)
+        rec.rows.clear()
+        for r in records.values():
+            setting = f"compression {r['compression']}, overlap {r['overlap']}, outer lr {r['lr']:g}, seed {r['seed']}"
+            rec.add(
+                figure=f"{r['preset']}: final eval loss, {setting} ({r['status']})",
+                value=r.get("final_eval_loss"),
+                unit="loss",
+                reference=f"blocking, compression none, outer lr {r['lr']:g}, seed {r['seed']}",
+                reference_value=r.get("reference_loss"),
+                ratio=r.get("ratio"),
+                ratio_kind="loss / reference: lower is better",
+                case=r["case"],
+                mb_sent_per_worker=r.get("mb_sent_per_worker"),
+                wall_seconds=r["wall_seconds"],
+                ratio_vs_default=r.get("ratio_vs_default"),
+            )
+        rec.data["cases"] = list(records.values())
+        rec.write(target)
+
+    def plan_more() -> None:
+        """Once a preset's eager none runs of every lr are in: its recommended lr and the cases at it."""
+        nonlocal total
+        for preset in args.preset:
+            if preset in second_done:
+                continue
+            eager = [records.get((preset, "none", "eager", lr, 0)) for lr in lrs[preset]]
+            if any(e is None for e in eager):
+                continue
+            ok = [(e["final_eval_loss"], e["lr"]) for e in eager if e["final_eval_loss"] is not None]
+            rec_lrs[preset] = args.rec_lr if args.rec_lr is not None else (min(ok)[1] if ok else base_lrs[preset])
+            plan = plan_second(preset, base_lrs[preset], rec_lrs[preset], seeds[preset])
+            new = [c for c in plan if c.key() not in planned]
+            planned.update(c.key() for c in new)
+            queue[:0] = new  # ahead of the rest: a preset's later runs should not be the last to start
+            total += len(new)
+            second_done.add(preset)
+            print(
+                f"compression_quality: {preset}: recommended outer lr {rec_lrs[preset]:g} "
+                f"({'given' if args.rec_lr is not None else 'lowest eager none loss'}); {len(new)} runs added",
+                flush=True,
+            )
+
+    with tempfile.TemporaryDirectory(prefix="bench_compq_") as tmp:
+        runner = Runner(args.jobs, Path(tmp))
+        try:
+            while queue or runner.running:
+                plan_more()
+                while queue and len(runner.running) < args.jobs:
+                    ready = next((c for c in queue if runner.fits(c)), None)
+                    if ready is None:
+                        break  # not enough free memory beside the runs in progress: checked again below
+                    queue.remove(ready)
+                    attempts[ready.key()] = attempts.get(ready.key(), 0) + 1
+                    runner.start(ready, args)
+                idle = bool(queue) and len(runner.running) < args.jobs
+                got = runner.wait_one(timeout=20.0 if idle else None)
+                if got is None:
+                    continue
+                case, r = got
+                r["attempts"] = attempts[case.key()]
+                if r["status"] == "killed" and attempts[case.key()] <= RETRIES:
+                    print(
+                        f"compression_quality: {case.name} was killed (SIGKILL: the OOM killer?) after "
+                        f"{r['wall_seconds']:.0f} s, peak {r['peak_rss_mib']} MiB; starting it again",
+                        flush=True,
+                    )
+                    queue.insert(0, case)
+                    continue
+                records[case.key()] = r
+                if r["status"] in ("failed", "killed"):
+                    failed += 1
+                add_ratios(records, base_lrs)
+                print(
+                    f"compression_quality: [{len(records)}/{total}] {case.name}: {r['status']}, final eval loss "
+                    f"{fmt(r.get('final_eval_loss'), '.4f')} (x{fmt(r.get('ratio'), '.4f')} of blocking none), "
+                    f"{fmt(r.get('mb_sent_per_worker'), '.2f')} MB/worker, {r['wall_seconds']:.0f} s "
+                    f"(cpu {r['cpu_seconds']:.0f} s); {(time.monotonic() - started) / 60:.1f} min elapsed",
+                    flush=True,
+                )
+                if r["status"] in ("failed", "killed"):
+                    print("\n".join(r.get("log_tail", [])), flush=True)
+                publish()
+        finally:
+            runner.kill_all()
+    if args.smoke:
+        rec_lrs["tiny"] = base_lrs["tiny"]
+    text = tables(records, base_lrs, rec_lrs)
+    rec.data["complete"] = True
+    rec.data["tables_markdown"] = text
+    rec.notes.append(
+        f"{WORKERS} workers, p2p_diloco.simulate --mode diloco, equal tokens within a preset; final eval loss on "
+        "data.eval_batches x data.batch_size rows per eval label (the preset overrides). ratio = final eval loss / "
+        "that of the blocking run without compression at the same outer lr and seed; ratio_vs_default: the same at "
+        "the preset's outer lr. MB = 10^6 bytes sent per worker in the whole run (the simulator's count of the "
+        "butterfly's payload with the case's codec). Wall seconds are this machine's, with --jobs runs side by side."
+    )
+    publish()
+    path = rec.write(target)
+    print(text)
+    print(f"\nwrote {path} ({(time.monotonic() - started) / 60:.1f} min)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
