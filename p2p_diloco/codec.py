@@ -2,7 +2,8 @@
 
 Inputs:  a codec name (``swarm.compression``: none, fp16, bf16, int8); 1-D fp32 CPU tensors (parts of Δ).
 Output:  ``Codec.encode(part) -> bytes`` and ``Codec.decode(data, numel) -> fp32 tensor``; ``roundtrip(part)``
-         (decode of encode: what every receiver of that part holds); ``encoded_size(numel)``: the exact bytes;
+         (decode of encode: what every receiver of that part holds); ``encoded_size(numel)``: the exact bytes, and
+         ``parts_size(numel, part_values)`` those of a tensor cut into the swarm's parts;
          ``roundtrip_parts(tensors, part_values)``: whole tensors cut into the swarm's parts (hivemind splits
          each flattened tensor into consecutive parts of ``part_values`` values), each part round-tripped. The
          simulator uses it to apply exactly what the swarm's wire does.
@@ -51,6 +52,11 @@ class Codec:
         if self.name in ("fp16", "bf16"):
             return 2 * numel
         return numel + 4 * math.ceil(numel / BLOCK)
+
+    def parts_size(self, numel: int, part_values: int) -> int:
+        """Encoded bytes of one tensor of ``numel`` values cut into the swarm's parts of ``part_values`` values."""
+        full, rest = divmod(numel, part_values)
+        return full * self.encoded_size(part_values) + (self.encoded_size(rest) if rest else 0)
 
     @property
     def bytes_per_value(self) -> float:

@@ -309,12 +309,18 @@ class Worker:
     def tag(self) -> RoundTag:
         """The outer state's (round, checksum), hashed once per state: the state changes only through
         ``load_state`` (a new object) and ``apply_outer`` (its round moves)."""
+        tag = self.cached_tag()
+        if tag is None:
+            tag = RoundTag(self.state.round, self.state.checksum())
+            self._tag = (self.state, self.state.round, tag)
+        return tag
+
+    def cached_tag(self) -> RoundTag | None:
+        """The outer state's tag if it was hashed since the state last changed, else None (nothing is hashed)."""
         cached = self._tag
         if cached is not None and cached[0] is self.state and cached[1] == self.state.round:
             return cached[2]
-        tag = RoundTag(self.state.round, self.state.checksum())
-        self._tag = (self.state, self.state.round, tag)
-        return tag
+        return None
 
     def outer_lr(self, round: int) -> float:
         return outer_lr_at(round, self.cfg.outer.lr, self.cfg.outer.lr_warmup_rounds)

@@ -247,11 +247,7 @@ def wire_bytes_sent(cfg: Config, shapes: list[torch.Size], group_size: int) -> i
     if group_size <= 1:
         return 0
     codec, part_values = get_codec(cfg.swarm.compression), cfg.swarm.part_size_bytes // 4
-    encoded = 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        full, rest = divmod(numel, part_values)
-        encoded += full * codec.encoded_size(part_values) + (codec.encoded_size(rest) if rest else 0)
+    encoded = sum(codec.parts_size(math.prod(shape), part_values) for shape in shapes)
     return int(2 * (group_size - 1) / group_size * encoded)
 
 
@@ -278,45 +274,40 @@ def _diloco_rounds(
     reducers. Eager: round r's mean is settled after round r+1's inner steps, the last one after the loop."""
     cfg = pool[0].cfg
     sent = wire_bytes_sent(cfg, [a.shape for a in pool[0].state.anchor], len(pool))
-    eager = cfg.swarm.overlap == "eager"
+
+    def info(mine: list[Contribution]) -> ReduceInfo:
+        gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
+        return ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
+
+    def drained() -> RoundResult:
+        mine = [w.pending.mine for w in pool]
+        results = [w.drain(rules, eval_sets=eval_sets if k == 0 else None) for k, w in enumerate(pool)]
+        return _applied(pool, mine, results)
+
     for _ in range(cfg.train.rounds):
         mine = [w.contribute() for w in pool]
-        if not eager:
-            yield _settled(pool, mine, _aggregate(cfg, mine, attack, stats), sent, rules, eval_sets, settle=True)
+        if cfg.swarm.overlap == "none":
+            averaged = _aggregate(cfg, mine, attack, stats)
+            results = [
+                w.settle(c, averaged, info(mine), rules, eval_sets=eval_sets if k == 0 else None)
+                for k, (w, c) in enumerate(zip(pool, mine, strict=True))
+            ]
+            yield _applied(pool, mine, results)
             continue
         if pool[0].pending is not None:
-            yield _settled(pool, [w.pending.mine for w in pool], None, sent, rules, eval_sets, settle=False)
+            yield drained()
         futures = [Future() for _ in pool]
         launched = [w.launch(c, lambda _, f=f: f) for w, c, f in zip(pool, mine, futures, strict=True)]
         averaged = _aggregate(cfg, launched, attack, stats)
-        gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(launched)})
         for future in futures:
-            info = ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
-            future.set_result((averaged, info))
-    if eager and pool[0].pending is not None:
-        yield _settled(pool, [w.pending.mine for w in pool], None, sent, rules, eval_sets, settle=False)
+            future.set_result((averaged, info(launched)))
+    if pool[0].pending is not None:
+        yield drained()
 
 
-def _settled(
-    pool: list[Worker],
-    mine: list[Contribution],
-    averaged: list[torch.Tensor] | None,
-    sent: int,
-    rules: RoundRules,
-    eval_sets: dict[str, torch.Tensor],
-    settle: bool,
-) -> RoundResult:
-    """Each worker settles the round (``settle`` with ``averaged``; or ``drain``, the exchange in flight, whose
-    contributions ``mine`` were); worker 0's result with the inner stats of all."""
-    results = []
-    gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
-    for k, (worker, contribution) in enumerate(zip(pool, mine, strict=True)):
-        evals = eval_sets if k == 0 else None
-        if settle:
-            info = ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
-            results.append(worker.settle(contribution, averaged, info, rules, eval_sets=evals))
-        else:
-            results.append(worker.drain(rules, eval_sets=evals))
+def _applied(pool: list[Worker], mine: list[Contribution], results: list[RoundResult | None]) -> RoundResult:
+    """Worker 0's result of a round every worker applied (``mine``: their contributions to it), with the inner
+    stats of all."""
     if any(r is None or r.decision is not Action.APPLY for r in results):
         raise NonFiniteUpdateError(f"round {pool[0].state.round + 1}: a worker could not apply the mean")
     first = results[0]

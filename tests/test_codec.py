@@ -86,6 +86,8 @@ def test_roundtrip_parts_cuts_each_tensor_as_the_swarm_does():
     flat = tensor.reshape(-1)
     expected = torch.cat([Codec("int8").roundtrip(flat[:300]), Codec("int8").roundtrip(flat[300:])])
     assert out.shape == tensor.shape and torch.equal(out.reshape(-1), expected)
+    assert Codec("int8").parts_size(600, 300) == 2 * Codec("int8").encoded_size(300)  # the bytes those parts take
+    assert Codec("int8").parts_size(601, 300) == 2 * Codec("int8").encoded_size(300) + Codec("int8").encoded_size(1)
     assert torch.equal(roundtrip_parts([tensor], Codec("none"), 300)[0], tensor)
 
 

@@ -26,6 +26,7 @@ This module only orchestrates; each concern has its own:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -193,7 +194,7 @@ class TrainingPeer:
                 self._settled(self.run_round(), started)
             if worker.in_flight:  # swarm.overlap eager: the last exchange (or the one a stop found in flight)
                 started = time.perf_counter()
-                drain = lambda: worker.drain(self.rules, self.sync, self.eval_sets)  # noqa: E731
+                drain = functools.partial(worker.drain, self.rules, self.sync, self.eval_sets)
                 self._settled(self.guard.run(worker.state.round + 1, drain), started)
             if self.opts.stop.is_set():
                 log.info("stop requested: leaving at round %d", self.worker.state.round)

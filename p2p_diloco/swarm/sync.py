@@ -14,12 +14,13 @@ Output:  ``serve`` (the snapshot other peers download), ``fetch(wanted)`` (the o
 State:   the lock that guards the worker's outer state against hivemind's state-serving thread; ``consensus``:
          whether that state came out of a complete group (or the seed, a checkpoint, a download); ``version``,
          bumped by every change made here; the snapshot served for the current version (copied once per state,
-         however many peers download it); the tag of the current version; two CPU copies at most: the state the
-         current round started from, and ``last_good``, the last state from which a round's inner steps ran with a
-         finite loss. The first is copied at the start of a round whose state changed since the last copy (once per
-         applied round: anchor + momentum in fp32, 8 bytes per parameter, ~5 MB for tiny.yaml, ~150 MB for
-         small.yaml); the second is that copy, kept by reference. For a model of 150M parameters and more, the copy
-         (1.2 GB, and 2.4 GB of host memory for both, 3.6 GB with the served snapshot) is worth weighing.
+         however many peers download it; its tag is the worker's, hashed once per state); two CPU copies at most:
+         the state the current round started from, and ``last_good``, the last state from which a round's inner
+         steps ran with a finite loss. The first is copied at the start of a round whose state changed since the
+         last copy (once per applied round: anchor + momentum in fp32, 8 bytes per parameter, ~5 MB for tiny.yaml,
+         ~150 MB for small.yaml); the second is that copy, kept by reference. For a model of 150M parameters and
+         more, the copy (1.2 GB, and 2.4 GB of host memory for both, 3.6 GB with the served snapshot) is worth
+         weighing.
 Failure: nothing a donor sends raises here. A state too few peers vouch for is not downloaded at all, whatever round
          it claims (logged: "fewer than N peers vouch for it"); an offer with another fingerprint, round, tensor count,
          shapes or dtypes, or whose tensors do not hash to the vouched checksum, is logged and refused, and the next
@@ -113,7 +114,6 @@ class StateSync:
         self.peers_present, self.vouches, self.quorum = peers_present, vouches, quorum
         self.on_change = on_change or (lambda: None)
         self._served: tuple[int, dict[str, Any], list[torch.Tensor]] | None = None  # (version, meta, tensors)
-        self._tag: tuple[int, RoundTag] | None = None
         self.lock = threading.Lock()
         self.consensus = True  # the seed, a checkpoint or a download: nothing local-only yet
         self.version = 0  # bumped by every change of the outer state made here
@@ -127,23 +127,17 @@ class StateSync:
         served = self._served
         if served is not None and served[0] == self.version:
             return served[1], served[2]
-        with self.lock:
+        with self.lock:  # the snapshot is the state as it is: a tag the worker already hashed for it is its tag
             version, snapshot, consensus = self.version, self.worker.state.copy(), self.consensus
-        known = self._tag  # the snapshot is that version's state: a tag already hashed for it is its tag
-        tag = known[1] if known is not None and known[0] == version else RoundTag(snapshot.round, snapshot.checksum())
-        self._tag = (version, tag)
+            known = self.worker.cached_tag()
+        tag = known or RoundTag(snapshot.round, snapshot.checksum())
         meta = {"round": tag.round, "checksum": tag.checksum, "fingerprint": self.fingerprint, "consensus": consensus}
         self._served = (version, meta, snapshot.tensors())
         return meta, snapshot.tensors()
 
     def tag(self) -> RoundTag:
-        """Our state's tag, hashed once per state (the checksum hashes the whole state), here or by ``serve``."""
-        version, cached = self.version, self._tag
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        tag = self.worker.tag()
-        self._tag = (version, tag)
-        return tag
+        """Our state's tag (``Worker.tag``: hashed once per state, the checksum hashes the whole state)."""
+        return self.worker.tag()
 
     # ---------------------------------------------------------------- fetching
     def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True) -> Offer | None:

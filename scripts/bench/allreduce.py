@@ -444,11 +444,7 @@ def expected_codec_bytes(size: int, world: int, codec: str, part_size_bytes: int
     vector, cut into hivemind's parts (part_size_bytes / 4 values each: WireCodec's ratio is 1). Each peer sends
     every part it does not reduce and its reduced parts to the n-1 others, so the mean over the group is that,
     whichever peer reduces which part; protobuf framing (a few dozen bytes per part) not included."""
-    part = part_size_bytes // 4
-    full, tail = divmod(size, part)
-    enc = Codec(codec)
-    encoded = full * enc.encoded_size(part) + (enc.encoded_size(tail) if tail else 0)
-    return 2 * (world - 1) / world * encoded
+    return 2 * (world - 1) / world * Codec(codec).parts_size(size, part_size_bytes // 4)
 
 
 def summarise(world: int, size: int, recs: list[dict[str, Any]], codec: str = "none") -> dict[str, Any] | None:
