@@ -94,7 +94,7 @@ def load_outer_state(directory: str | Path) -> tuple[OuterState, dict[str, Any]]
         raise CheckpointError(f"checkpoint {directory} is unreadable ({exc}): {_FALLBACK}") from None
     rounds = meta["round"] if "round" in meta else meta["step"]  # checkpoints written before the rename say "step"
     state = OuterState(anchor=anchor, momentum=momentum, round=int(rounds))
-    if state.checksum() != meta.get("checksum"):
+    if meta.get("checksum") not in (state.checksum(), state.whole_checksum()):  # whole: before protocol 5
         raise CheckpointError(
             f"checkpoint {directory} fails its checksum (the files do not match each other): {_FALLBACK}"
         )

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from p2p_diloco.state_parts import part_digests, state_checksum
+
 __all__ = [
     "NonFiniteUpdateError",
     "is_finite",
@@ -128,7 +130,12 @@ class OuterState:
         return cls(anchor=clean[:half], momentum=clean[half:], round=round)
 
     def checksum(self) -> str:
-        """sha256 over round, anchor and momentum bytes: equal on two peers iff their states are equal."""
+        """sha256 over the round and the digests of the state's parts (state_parts.py): equal on two peers iff
+        their states are equal, and checkable part by part by a peer that downloads it."""
+        return state_checksum(self.round, part_digests(self.tensors()))
+
+    def whole_checksum(self) -> str:
+        """The checksum before protocol 5 (sha256 over round and all bytes): what older checkpoints hold."""
         h = hashlib.sha256(struct.pack("<q", self.round))
         for t in self.tensors():
             h.update(t.contiguous().numpy().tobytes())

@@ -61,6 +61,11 @@ never from hivemind's unsigned ``all_averagers`` key, and ``download`` reads the
 one takes it, and an all-reduce holds it all round: measured (200 MB, next_chunk_timeout 2 s), a download from
 a donor that was averaging failed with TimeoutError; lock-free, it succeeded first try. Sharing starts with
 ``set_state_provider``.
+In pieces (swarm/download.py; the state as one flat fp32 vector, state_parts.py): ``manifest`` reads a donor's
+served metadata with its part digests (the unary ``rpc_state_manifest``), ``piece`` values [start, end) of it
+(``rpc_download_piece``: only whole parts, at most MAX_PIECE_PARTS, only while the donor still serves the tag
+asked for; an empty stream otherwise). Each peer's downloads from us are charged against ``max_state_downloads``
+states a minute: a whole download 1, a manifest MANIFEST_COST, a piece its share of the state (at least one part).
 """
 
 from __future__ import annotations
@@ -86,11 +91,12 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from p2p_diloco.codec import get_codec
 from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.outer import is_finite
+from p2p_diloco.state_parts import PART_VALUES, read_values, total_values
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
 from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, WireCodec
 from p2p_diloco.swarm.dht import children_ignore_sigint
@@ -144,6 +150,7 @@ class PseudoGradAverager(DecentralizedAverager):
     """
 
     _rpc_handlers, _stub_type = None, None  # collect this class's own rpc_* (hivemind caches them per class)
+    _served_values = 0  # averager process: values in the state we served last (prices a piece before the host is asked)
 
     def __init__(
         self,
@@ -208,7 +215,8 @@ class PseudoGradAverager(DecentralizedAverager):
         # identity: sign our gather payload, and drop every member's that its author did not sign (None: unsigned
         # payloads, for tests of the all-reduce alone). authorized: the peer ids of a closed run (None: open).
         self.identity, self.authorized, self.max_state_downloads = identity, authorized, max_state_downloads
-        self._downloads: dict[str, list[float]] = {}  # per downloading peer: when it started its recent downloads
+        # per downloading peer: (when, what share of a state) of its recent downloads, manifests and pieces
+        self._downloads: dict[str, list[tuple[float, float]]] = {}
         self._banned: dict[str, float] = {}  # reducers caught lying -> until when we refuse to group with them
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
@@ -597,15 +605,8 @@ class PseudoGradAverager(DecentralizedAverager):
         """Our state, to a listed peer that has not downloaded it ``max_state_downloads`` times in the last minute;
         anyone else gets an empty stream (hivemind's way to say no). The state is a snapshot (sync.py), so a flood
         of downloads never holds the training lock beyond one copy per state."""
-        peer, now = str(context.remote_id), time.monotonic()
-        recent = [t for t in self._downloads.get(peer, []) if now - t < 60.0]
-        if not self._admitted(peer) or len(recent) >= self.max_state_downloads:
-            self._downloads[peer] = recent
+        if not self._may_download(str(context.remote_id), 1.0):
             return
-        self._downloads[peer] = recent + [now]
-        if len(self._downloads) > 1024:  # forget the peers that downloaded least recently
-            for stale in sorted(self._downloads, key=lambda p: max(self._downloads[p], default=0.0))[:512]:
-                del self._downloads[stale]
         async for message in super().rpc_download_state(request, context):
             yield message
 
@@ -660,3 +661,148 @@ class PseudoGradAverager(DecentralizedAverager):
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return metadata, tensors
+
+    # ---------------------------------------------------------------- state in pieces (swarm/download.py)
+    def manifest(self, peer_id: str, timeout: float) -> dict | str:
+        """The metadata of ``peer_id``'s served state (round, checksum, fingerprint, consensus and ``parts``: its
+        part digests, state_parts.py), or why not (a line). One unary call of at most ``timeout`` seconds."""
+        result = self._in_process("_manifest", timeout, peer_id=peer_id)
+        if isinstance(result, str):
+            return result
+        if not isinstance(result, dict) or not isinstance(result.get(_STATE_KEY), dict):
+            return "the peer sent no manifest (it serves none, or refused us)"
+        return result[_STATE_KEY]
+
+    def piece(self, peer_id: str, tag: tuple[int, str], start: int, end: int, timeout: float) -> torch.Tensor | str:
+        """Values [start, end) of the flat state ``peer_id`` serves (fp32, state_parts.py), only if that state is
+        still ``tag`` (round, checksum); or why not (a line). Bounded like ``download``: ``timeout`` for the piece,
+        ``next_chunk_timeout`` between messages, at most the piece's own bytes plus 64 KiB read."""
+        request = {"round": tag[0], "checksum": tag[1], "start": start, "end": end}
+        return self._in_process("_piece", timeout, peer_id=peer_id, request=request)
+
+    def _in_process(self, method: str, timeout: float, **kwargs: Any) -> Any:
+        """Run ``method`` (a coroutine of the averager process) with a deadline; its result or why it failed."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send((method, [], dict(timeout=timeout, future=future, **kwargs)))
+        try:
+            return future.result(timeout=timeout + 5.0)
+        except Exception as e:  # noqa: BLE001 - a dead averager process, a pipe error: nothing, and why
+            return f"{type(e).__name__}: {e}"
+
+    async def _settle(self, future: MPFuture, work: Any, timeout: float, what: str) -> None:
+        try:
+            result: Any = await asyncio.wait_for(work, timeout)
+        except asyncio.TimeoutError:
+            result = f"no complete {what} within {timeout:g}s"
+        except Exception as e:  # noqa: BLE001 - whatever the donor did, it is a refused offer
+            result = f"{type(e).__name__}: {e}"
+        if not future.done():
+            future.set_result(result)
+
+    async def _manifest(self, peer_id: str, timeout: float, future: MPFuture) -> None:
+        async def call() -> Any:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+            response = await stub.rpc_state_manifest(averaging_pb2.DownloadRequest(), timeout=timeout)
+            return self.serializer.loads(response.metadata) if response.metadata else None
+
+        await self._settle(future, call(), timeout, "manifest")
+
+    async def _piece(self, peer_id: str, request: dict, timeout: float, future: MPFuture) -> None:
+        async def call() -> torch.Tensor | str:
+            values = request["end"] - request["start"]
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+            stream = await stub.rpc_download_piece(averaging_pb2.DownloadData(metadata=self.serializer.dumps(request)))
+            parts, received, cap = [], 0, 4 * values + (1 << 16)
+            async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+                received += message.ByteSize()
+                if received > cap:
+                    raise ValueError(f"the peer sent over {cap} bytes for a piece of {values} values")
+                parts.append(message.tensor_part)
+            if not parts:
+                return "the peer sent no piece (it holds another state now, or refused us)"
+            piece = deserialize_torch_tensor(combine_from_streaming(parts))
+            if piece.dtype != torch.float32 or piece.numel() != values:
+                return f"the peer sent {piece.numel()} {piece.dtype} values, not {values} float32"
+            return piece.reshape(-1)
+
+        await self._settle(future, call(), timeout, "piece")
+
+    def _may_download(self, peer: str, cost: float) -> bool:
+        """Charge ``peer`` ``cost`` (a whole state is 1, a piece its share of the state, at least one part's) if
+        its last minute's downloads from us stay within ``max_state_downloads`` states; refuse (False) if not."""
+        now = time.monotonic()
+        recent = [(t, c) for t, c in self._downloads.get(peer, []) if now - t < 60.0]
+        if not self._admitted(peer) or sum(c for _, c in recent) + cost > self.max_state_downloads + 1e-9:
+            self._downloads[peer] = recent
+            return False
+        self._downloads[peer] = recent + [(now, cost)]
+        if len(self._downloads) > 1024:  # forget the peers that downloaded least recently
+            for stale in sorted(self._downloads, key=lambda p: max((t for t, _ in self._downloads[p]), default=0.0))[
+                :512
+            ]:
+                del self._downloads[stale]
+        return True
+
+    async def rpc_state_manifest(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """The metadata of our served state, part digests included, to a listed peer within its download budget
+        (a manifest costs MANIFEST_COST of a state); anyone else gets empty metadata."""
+        if not self._may_download(str(context.remote_id), MANIFEST_COST):
+            return averaging_pb2.DownloadData()
+        metadata, tensors, _ = await self._get_current_state_from_host_process()
+        self._served_values = total_values(tensors)
+        return averaging_pb2.DownloadData(metadata=metadata)
+
+    async def rpc_download_piece(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Values [start, end) of our served state, if it is the (round, checksum) asked for and the range is whole
+        parts, at most MAX_PIECE_PARTS of them; charged to the peer's download budget as its share of the state
+        (at least one part; a request for another state is charged too). Anything else, or over budget: an empty
+        stream."""
+        want = _piece_request(request.metadata, self.serializer)
+        peer, values = str(context.remote_id), self._served_values
+        if want is None or (values and not _whole_parts(want[2], want[3], values)):
+            return
+        if values and not self._may_download(peer, _piece_cost(want, values)):  # a piece of another state pays too
+            return
+        metadata, tensors, _ = await self._get_current_state_from_host_process()
+        meta = self.serializer.loads(metadata).get(_STATE_KEY, {})
+        total = self._served_values = total_values(tensors)
+        rnd, checksum, start, end = want
+        if (meta.get("round"), meta.get("checksum")) != (rnd, checksum) or not _whole_parts(start, end, total):
+            return
+        if not values and not self._may_download(peer, _piece_cost(want, total)):
+            return
+        piece = serialize_torch_tensor(read_values(tensors, start, end))
+        for part in split_for_streaming(piece, _PIECE_CHUNK_BYTES):
+            yield averaging_pb2.DownloadData(tensor_part=part)
+
+
+MAX_PIECE_PARTS = 16  # the longest piece a peer serves: 16 MiB (state_parts.PART_BYTES each)
+MANIFEST_COST = 1 / 16  # of a state's download budget: 16 manifests a minute per budgeted state
+_PIECE_CHUNK_BYTES = 1 << 20  # stream message size of a piece (hivemind's default, 64 KiB, costs 16x the messages)
+
+
+def _piece_request(raw: bytes, serializer: Any) -> tuple[int, str, int, int] | None:
+    """(round, checksum, start, end) of a piece request, or None for anything malformed."""
+    try:
+        request = serializer.loads(raw) if len(raw) <= 1024 else None
+        rnd, checksum, start, end = (request[k] for k in ("round", "checksum", "start", "end"))
+    except Exception:  # noqa: BLE001 - a stranger's bytes: refused, never raised
+        return None
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (rnd, start, end))
+    return (rnd, checksum, start, end) if ints and isinstance(checksum, str) else None
+
+
+def _whole_parts(start: int, end: int, total: int) -> bool:
+    """Whether [start, end) is 1 to MAX_PIECE_PARTS whole parts of a state of ``total`` values (the last may be
+    short)."""
+    aligned = start % PART_VALUES == 0 and (end % PART_VALUES == 0 or end == total)
+    return aligned and 0 <= start < end <= total and end - start <= MAX_PIECE_PARTS * PART_VALUES
+
+
+def _piece_cost(want: tuple[int, str, int, int], total: int) -> float:
+    """A piece's charge against the download budget: its share of the state, at least one part's."""
+    return max(want[3] - want[2], PART_VALUES) / max(total, 1)

@@ -1,20 +1,20 @@
 """A swarm peer's outer state as shared with the swarm: serve a snapshot, download a vouched-for state, adopt it.
 
-Inputs:  the Worker whose OuterState this guards; the averager (``download(peer, timeout, max_tensors, max_bytes)``
-         from one donor; it serves ``serve``'s output to others); this run's fingerprint; ``swarm.state_timeout``;
+Inputs:  the Worker whose OuterState this guards; the averager (``manifest`` and ``piece`` from donors, see
+         download.py; it serves ``serve``'s output to others); this run's fingerprint; ``swarm.state_timeout``;
          a callable that says whether other peers of the run are about; ``vouches``: what the run's signed
          announcements say (join.py: which peer holds which (round, checksum) now, and which it held in its last
          rounds); ``swarm.state_quorum``; ``on_change``, called after every change of the state (the peer announces
          the new tag at once, so others may vouch for it).
 Output:  ``serve`` (the snapshot other peers download), ``fetch(wanted)`` (the one download path: the furthest state
-         that ``state_quorum`` peers, or all there are when fewer, vouch for, or our own, from the first of its
-         holders whose offer checks out), and what the peer does with it: ``download`` (join, resume), ``catch_up``
+         that ``state_quorum`` peers, or all there are when fewer, vouch for, or our own, in pieces from its holders
+         in parallel: download.py), and what the peer does with it: ``download`` (join, resume), ``catch_up``
          and ``resync`` (after a round, see protocol.py); ``apply_outer`` (the round's outer step, under the lock).
          For rounds that fail (guard.py): ``begin_round``, ``round_ran``, ``discard_round`` and ``last_good``.
 State:   the lock that guards the worker's outer state against hivemind's state-serving thread; ``consensus``:
          whether that state came out of a complete group (or the seed, a checkpoint, a download); ``version``,
          bumped by every change made here; the snapshot served for the current version (copied once per state,
-         however many peers download it; its tag is the worker's, hashed once per state); two CPU copies at most:
+         however many peers download it, hashed once into its part digests: the manifest); two CPU copies at most:
          the state the current round started from, and ``last_good``, the last state from which a round's inner
          steps ran with a finite loss. The first is copied at the start of a round whose state changed since the
          last copy (once per applied round: anchor + momentum in fp32, 8 bytes per parameter, ~5 MB for tiny.yaml,
@@ -22,15 +22,15 @@ State:   the lock that guards the worker's outer state against hivemind's state-
          more, the copy (1.2 GB, and 2.4 GB of host memory for both, 3.6 GB with the served snapshot) is worth
          weighing.
 Failure: nothing a donor sends raises here. A state too few peers vouch for is not downloaded at all, whatever round
-         it claims (logged: "fewer than N peers vouch for it"); an offer with another fingerprint, round, tensor count,
-         shapes or dtypes, or whose tensors do not hash to the vouched checksum, is logged and refused, and the next
-         holder is tried. The checksum is sha256 over the round and every tensor's bytes, truncated to 64 bits.
+         it claims (logged: "fewer than N peers vouch for it"); a manifest with another fingerprint, round or part
+         count, or whose parts do not hash to the vouched checksum, and a piece that does not match the manifest,
+         are logged and refused, and other holders are asked (download.py). The checksum is sha256 over the round
+         and the sha256 of each 1 MiB part of the state (state_parts.py), truncated to 64 bits.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -41,14 +41,13 @@ import torch
 
 from p2p_diloco.engine import Worker
 from p2p_diloco.outer import OuterState
+from p2p_diloco.state_parts import part_digests, state_checksum
+from p2p_diloco.swarm.download import download_state
 from p2p_diloco.swarm.protocol import RoundTag
 
 __all__ = ["Offer", "StateSync", "Vouches"]
 
 log = logging.getLogger("p2p_diloco.sync")
-
-
-_MAX_ROUND = 2**53  # a round the checksum can pack and a float can hold exactly
 
 
 @dataclass
@@ -123,15 +122,21 @@ class StateSync:
     # ---------------------------------------------------------------- serving
     def serve(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """(metadata, tensors) for a peer downloading our state: one snapshot per state (the lock is held only for
-        its copy), served to every downloader until the state changes."""
+        its copy), hashed once into its part digests (the manifest, ``parts``), served to every downloader until the
+        state changes."""
         served = self._served
         if served is not None and served[0] == self.version:
             return served[1], served[2]
-        with self.lock:  # the snapshot is the state as it is: a tag the worker already hashed for it is its tag
+        with self.lock:  # the snapshot is the state as it is
             version, snapshot, consensus = self.version, self.worker.state.copy(), self.consensus
-            known = self.worker.cached_tag()
-        tag = known or RoundTag(snapshot.round, snapshot.checksum())
-        meta = {"round": tag.round, "checksum": tag.checksum, "fingerprint": self.fingerprint, "consensus": consensus}
+        digests = part_digests(snapshot.tensors())  # the manifest (download.py); the checksum hashes them
+        meta = {
+            "round": snapshot.round,
+            "checksum": state_checksum(snapshot.round, digests),
+            "fingerprint": self.fingerprint,
+            "consensus": consensus,
+            "parts": digests,
+        }
         self._served = (version, meta, snapshot.tensors())
         return meta, snapshot.tensors()
 
@@ -141,8 +146,8 @@ class StateSync:
 
     # ---------------------------------------------------------------- fetching
     def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True) -> Offer | None:
-        """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts, from the first of its
-        holders whose offer checks out; None (logged) when there is none within ``swarm.state_timeout``."""
+        """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts, in pieces from its
+        holders (download.py); None (logged) when there is none within ``swarm.state_timeout``."""
         vouches, mine = self.vouches(), self.tag()
         for tag in vouches.unvouched(self.quorum, mine):
             log.warning("not downloading %s: fewer than %d peers vouch for it", tag, vouches.quorum(self.quorum))
@@ -150,54 +155,18 @@ class StateSync:
         for tag, donors in vouches.offers(self.quorum, mine):
             if tag == mine or not wanted(tag):
                 continue
-            for donor in random.sample(donors, len(donors)):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.warning("no verified outer state within swarm.state_timeout=%gs", self.timeout)
-                    return None
-                offer = self._fetch_from(donor, tag, left)
-                if offer is not None:
-                    return offer
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("no verified outer state within swarm.state_timeout=%gs", self.timeout)
+                return None
+            got = download_state(self.averager, self.worker.state.tensors(), self.fingerprint, tag, donors, left)
+            if got is not None:
+                return Offer(*got)
         return None
 
     def vouched_past(self, round: int) -> bool:
         """Whether the swarm vouches for a state some peer holds past ``round`` (one worth waiting for)."""
         return any(tag.round > round for tag, _ in self.vouches().offers(self.quorum, self.tag()))
-
-    def _fetch_from(self, donor: str, tag: RoundTag, timeout: float) -> Offer | None:
-        ours = self.worker.state.tensors()
-        got = self.averager.download(donor, timeout, len(ours), sum(t.numel() * t.element_size() for t in ours))
-        problem = got if isinstance(got, str) else self._check(*got, tag)
-        if problem:
-            log.warning("refused the outer state peer %s offered for %s: %s", donor[-8:], tag, problem)
-            return None
-        meta, tensors = got
-        state = OuterState.from_tensors(tensors, meta["round"])
-        if state.checksum() != tag.checksum:
-            log.warning(
-                "refused the outer state peer %s offered for %s: its tensors do not hash to it", donor[-8:], tag
-            )
-            return None
-        return Offer(state, meta.get("consensus") is True)
-
-    def _check(self, meta: Any, tensors: Any, tag: RoundTag) -> str:
-        """Why an offer does not fit this peer or is not the state asked for ('' when it fits)."""
-        if not isinstance(meta, dict) or meta.get("fingerprint") != self.fingerprint:
-            return "it comes from a peer with other settings"
-        rnd = meta.get("round")
-        if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd < _MAX_ROUND:
-            return f"its round metadata is malformed ({str(meta)[:80]})"
-        if rnd != tag.round:
-            return f"it is at round {rnd}, not {tag.round}"
-        ours = self.worker.state.tensors()
-        if not isinstance(tensors, list) or len(tensors) != len(ours):
-            count = len(tensors) if isinstance(tensors, list) else "no list of"
-            return f"it holds {count} tensors, this model's state has {len(ours)}"
-        for k, (theirs, mine) in enumerate(zip(tensors, ours, strict=True)):
-            if not isinstance(theirs, torch.Tensor) or theirs.shape != mine.shape or theirs.dtype != mine.dtype:
-                what = f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor) else type(theirs)
-                return f"tensor {k} is {what}, expected {tuple(mine.shape)} {mine.dtype}"
-        return ""
 
     # ---------------------------------------------------------------- changing the state
     def adopt(self, offer: Offer, why: str) -> None:

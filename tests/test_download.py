@@ -1,0 +1,224 @@
+"""A state in pieces from several real donors (swarm/download.py through averager.py's manifest and piece RPCs).
+
+The donors and the newcomer are real PseudoGradAverager peers on 127.0.0.1 (each its own DHT, p2pd and averager
+process, started from this process); what each donor serves is its state provider's output, which the test
+changes: wrong bytes for one piece, a donor whose averager process is SIGKILLed while it serves a piece. Every
+DHT and averager started here is shut down in the fixtures' teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from hivemind.dht import DHT
+
+from p2p_diloco.outer import OuterState
+from p2p_diloco.state_parts import PART_VALUES, part_count, part_digests, state_checksum
+from p2p_diloco.swarm.averager import PseudoGradAverager
+from p2p_diloco.swarm.download import download_state
+from p2p_diloco.swarm.protocol import RoundTag
+
+pytestmark = pytest.mark.timeout(180)
+
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+FAST = dict(
+    target_group_size=2,
+    min_group_size=2,
+    matchmaking_time=4.0,
+    request_timeout=1.0,
+    allreduce_timeout=20.0,
+    next_chunk_timeout=3.0,
+    part_size_bytes=64 * 1024,
+    round_deadline=30.0,
+    max_reduce_attempts=1,
+)
+SHAPES = [(1000, 600), (100,)]  # anchor; momentum the same: 1,200,200 values, 5 parts of 1 MiB
+
+
+def _state(round: int = 7) -> OuterState:
+    gen = torch.Generator().manual_seed(round)
+    anchor = [torch.randn(*s, generator=gen) for s in SHAPES]
+    return OuterState(anchor=anchor, momentum=[torch.randn(*s, generator=gen) for s in SHAPES], round=round)
+
+
+def _meta(state: OuterState) -> dict:
+    digests = part_digests(state.tensors())
+    checksum = state_checksum(state.round, digests)
+    return {"round": state.round, "checksum": checksum, "fingerprint": "fp", "consensus": True, "parts": digests}
+
+
+class Donor:
+    """One peer serving ``serve()``'s output (settable per test); ``calls`` counts the provider's calls (one per
+    manifest or piece request that passed the budget)."""
+
+    def __init__(self, initial: list[str], state: OuterState, **kw: object) -> None:
+        self.dht = DHT(start=True, host_maddrs=LOCAL, initial_peers=initial)
+        kw = {**FAST, "max_state_downloads": 100, **kw}  # many downloads a minute here; the budget has its own test
+        self.averager = PseudoGradAverager(self.dht, [torch.zeros(4)], "state", **kw)
+        self.state, self.meta, self.calls = state, _meta(state), 0
+        self.on_call: Callable[[int], list[torch.Tensor] | None] = lambda k: None
+        self.averager.set_state_provider(self.serve)
+        self.peer_id = str(self.dht.peer_id)
+
+    def serve(self) -> tuple[dict, list[torch.Tensor]]:
+        self.calls += 1
+        other = self.on_call(self.calls)
+        return self.meta, other if other is not None else self.state.tensors()
+
+    def maddrs(self) -> list[str]:
+        return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def close(self) -> None:
+        self.averager.shutdown()
+        self.dht.shutdown()
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[dict]:
+    """Three donors holding round 7 and a newcomer that knows them all."""
+    state, peers = _state(), []
+    try:
+        peers.append(Donor([], state))
+        for _ in range(2):
+            peers.append(Donor(peers[0].maddrs(), state))
+        newcomer = Donor([a for p in peers for a in p.maddrs()], _state(0))
+        peers.append(newcomer)
+        yield {"state": state, "donors": peers[:3], "newcomer": newcomer, "peers": peers}
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+@pytest.fixture(autouse=True)
+def honest(swarm):
+    for donor in swarm["donors"]:
+        donor.on_call, donor.calls = (lambda k: None), 0
+    yield
+
+
+class Asked:
+    """The newcomer's averager as download_state sees it, noting which donor was asked for which piece and what
+    came back (an observer: every call goes to the real averager)."""
+
+    def __init__(self, averager: PseudoGradAverager) -> None:
+        self.averager, self.pieces = averager, []
+
+    def manifest(self, peer_id: str, timeout: float):
+        return self.averager.manifest(peer_id, timeout)
+
+    def piece(self, peer_id: str, tag, start: int, end: int, timeout: float):
+        got = self.averager.piece(peer_id, tag, start, end, timeout)
+        self.pieces.append((peer_id, start, end, isinstance(got, torch.Tensor)))
+        return got
+
+
+def _download(swarm: dict, donors: list[Donor], timeout: float = 30.0):
+    state = swarm["state"]
+    tag = RoundTag(state.round, state.checksum())
+    asked = Asked(swarm["newcomer"].averager)
+    got = download_state(asked, swarm["newcomer"].state.tensors(), "fp", tag, [d.peer_id for d in donors], timeout)
+    assert got is not None, "no state downloaded"
+    assert got[0].checksum() == tag.checksum and got[0].round == tag.round
+    assert all(torch.equal(a, b) for a, b in zip(got[0].tensors(), state.tensors(), strict=True))
+    return asked
+
+
+def _wrong_at(state: OuterState, part: int) -> list[torch.Tensor]:
+    """The state's tensors with one value changed in ``part``."""
+    tensors = [t.clone() for t in state.tensors()]
+    index = part * PART_VALUES + 5
+    for t in tensors:
+        if index < t.numel():
+            t.view(-1)[index] += 1.0
+            break
+        index -= t.numel()
+    return tensors
+
+
+def _covers(start: int, end: int, part: int) -> bool:
+    return start <= part * PART_VALUES < end
+
+
+def test_the_state_comes_in_verified_pieces_from_every_donor(swarm):
+    asked = _download(swarm, swarm["donors"])
+    assert len({start for _, start, _, ok in asked.pieces if ok}) == part_count(1_200_200)
+    assert len({donor for donor, *_ in asked.pieces}) >= 2  # 5 pieces, 2 in flight per donor: a race which take them
+
+
+def test_a_donor_serving_wrong_bytes_for_one_part_is_dropped_and_the_part_comes_from_another(swarm, caplog):
+    caplog.set_level(logging.WARNING, logger="p2p_diloco.sync")
+    liar = swarm["donors"][2]
+    liar.on_call = lambda k: _wrong_at(swarm["state"], 2)  # its manifest is true; part 2 of its bytes is not
+    for _ in range(10):  # until the liar is the one asked for part 2 (which donor takes which piece is a race)
+        asked = _download(swarm, swarm["donors"])
+        mine = [(s, e) for d, s, e, _ in asked.pieces if d == liar.peer_id]
+        if any(_covers(s, e, 2) for s, e in mine):
+            break
+    else:
+        pytest.fail("the liar was never asked for part 2")
+    # it was dropped on that piece, which another donor then served; at most its other piece in flight followed
+    where = next(k for k, (d, s, e, _) in enumerate(asked.pieces) if d == liar.peer_id and _covers(s, e, 2))
+    assert sum(d == liar.peer_id for d, *_ in asked.pieces[where + 1 :]) <= 1
+    assert any(d != liar.peer_id and _covers(s, e, 2) and ok for d, s, e, ok in asked.pieces[where + 1 :])
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(liar.peer_id[-8:] in line and "does not match the manifest" in line for line in lines), lines
+
+
+def test_a_donor_that_dies_mid_download_leaves_its_pieces_to_the_others(swarm, caplog):
+    caplog.set_level(logging.WARNING, logger="p2p_diloco.sync")
+    dying = Donor(swarm["donors"][0].maddrs(), swarm["state"])
+    swarm["peers"].append(dying)  # shut down with the others at the end of the module
+    served: list[int] = []
+
+    def die(k: int) -> None:
+        served.append(k)
+        if len(served) == 2:  # the first piece it serves (the first call may be its manifest): SIGKILL its averager
+            os.kill(dying.averager.pid, signal.SIGKILL)  # process while the piece is on its way
+            time.sleep(0.5)
+
+    swarm["newcomer"].averager.manifest(dying.peer_id, 10.0)  # the newcomer's p2pd learns its address
+    dying.calls, served[:] = 0, []
+    dying.on_call = die
+    started = time.monotonic()
+    asked = _download(swarm, [dying, *swarm["donors"][:2]], timeout=40.0)
+    assert time.monotonic() - started < 30.0
+    theirs = [(s, e) for d, s, e, ok in asked.pieces if d == dying.peer_id]
+    assert theirs and not any(ok for d, *_, ok in asked.pieces if d == dying.peer_id and len(served) >= 2)
+    for s, e in theirs:  # every piece it was asked for came from another donor
+        assert any(d != dying.peer_id and (s2, e2) == (s, e) and ok for d, s2, e2, ok in asked.pieces)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(dying.peer_id[-8:] in line for line in lines), lines
+
+
+def test_a_slow_donor_holds_up_only_its_own_pieces(swarm):
+    slow = swarm["donors"][0]
+
+    def stall(k: int) -> None:
+        time.sleep(2.5)  # each call takes 2.5 s (below next_chunk_timeout: not a stall)
+
+    slow.on_call = stall
+    started = time.monotonic()
+    _download(swarm, swarm["donors"])
+    assert time.monotonic() - started < 5.0  # its pieces alone, one after the other: 2 manifests + 5 x 2.5 s
+
+
+def test_donors_refuse_another_state_unaligned_ranges_and_downloads_over_budget(swarm):
+    donor = Donor(swarm["donors"][0].maddrs(), swarm["state"], max_state_downloads=1)
+    swarm["peers"].append(donor)
+    newcomer, tag = swarm["newcomer"].averager, (swarm["state"].round, swarm["state"].checksum())
+    meta = newcomer.manifest(donor.peer_id, 10.0)
+    assert isinstance(meta, dict) and meta["checksum"] == tag[1] and len(meta["parts"]) == 5
+    assert "no piece" in newcomer.piece(donor.peer_id, (tag[0] + 1, tag[1]), 0, PART_VALUES, 10.0)
+    assert "no piece" in newcomer.piece(donor.peer_id, tag, 3, PART_VALUES, 10.0)  # not a part boundary
+    assert "no piece" in newcomer.piece(donor.peer_id, tag, 0, 17 * PART_VALUES, 10.0)  # over MAX_PIECE_PARTS
+    # one state a minute: the manifest (1/16) and the piece of another state (1/5) were charged, the malformed
+    # ranges not; 3 more parts of 1/5 fit, the next ones do not
+    pieces = [newcomer.piece(donor.peer_id, tag, k * PART_VALUES, (k + 1) * PART_VALUES, 10.0) for k in range(5)]
+    assert [isinstance(p, torch.Tensor) for p in pieces] == [True] * 3 + [False] * 2, pieces
+    assert torch.equal(pieces[0], swarm["state"].anchor[0].reshape(-1)[:PART_VALUES])
