@@ -150,9 +150,18 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     shapes = [a.shape for a in load_outer_state(latest_checkpoint(dirs[0] / "checkpoints"))[0].anchor]
     expected = 3 * wire_bytes_sent(cfg, shapes, 3)
     for step in (1, 2, 3):
-        sent = sum(r["bytes_sent"] for d in dirs for r in records(d) if r["outer_step"] == step)
-        assert sent == sum(r["bytes_received"] for d in dirs for r in records(d) if r["outer_step"] == step)
-        assert 1.0 <= sent / expected < 1.03, (step, sent, expected)
+        rows = [
+            (r["bytes_sent"], r["bytes_received"], r["reduce_attempts"])
+            for d in dirs
+            for r in records(d)
+            if r["outer_step"] == step
+        ]
+        sent = sum(row[0] for row in rows)
+        if all(attempts == 1 for *_, attempts in rows):
+            assert sent == sum(row[1] for row in rows), (step, rows)  # (sent, received, attempts) per member
+            assert 1.0 <= sent / expected < 1.03, (step, sent, expected)
+        else:  # a failed attempt's bytes count too (some die in its broken streams), then a complete one's
+            assert sent >= expected and sum(row[1] for row in rows) >= expected, (step, rows, expected)
 
     # the swarm equals the simulator with the same config, seeds and shards
     simulate(cfg, "diloco", 3, tmp_path / "sim")

@@ -45,7 +45,8 @@ process (the group is assembled; a group smaller than the expected size forms on
 ``matchmaking_time`` deadline); ``allreduce_seconds`` from there to the end of the vote. Both are summed over
 attempts. ``bytes_sent`` / ``bytes_received`` are MEASURED payload bytes, also summed over attempts: the
 protobuf size of every all-reduce message this member handed to the transport / took from it, before libp2p
-framing and encryption (``ExactRunner`` counts them; the vote's few bytes are not counted). A member reducing
+framing and encryption (``ExactRunner`` adds them to shared counters as they pass, so a failed attempt's bytes
+count too; the vote's few bytes are not counted). A member reducing
 ``m`` of ``S`` values in a group of ``n`` sends ``S - m`` values to the other reducers and its averaged
 slice to ``n - 1`` members, ``(S - m) + (n - 1) m`` values (about ``2 (n - 1) / n`` of the vector) in the wire
 codec (``compression``: codec.py; 4 bytes a value for none, 1.03 for int8), and receives as much; the messages
@@ -76,7 +77,7 @@ import hashlib
 import logging
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
 
@@ -98,7 +99,7 @@ from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.outer import is_finite
 from p2p_diloco.state_parts import PART_VALUES, read_values, total_values
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
-from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, WireCodec
+from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, PayloadBytes, WireCodec
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.identity import Identity, peer_id_of, verify
 from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, decide
@@ -220,6 +221,10 @@ class PseudoGradAverager(DecentralizedAverager):
         self._banned: dict[str, float] = {}  # reducers caught lying -> until when we refuse to group with them
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
+        # payload bytes [sent, received] of every all-reduce so far, failed ones included: the averager process's
+        # runners add each message as it passes, the host reads the growth per attempt (shared memory, made before
+        # the process forks)
+        self._payload_totals = torch.zeros(2, dtype=torch.int64).share_memory_()
         # host side: how many peers (us included) will come to this round's matchmaking (e.g. the run's live
         # members); a leader then assembles as soon as that many joined, instead of at matchmaking_time
         self.target_group_size_cap = target_group_size
@@ -342,7 +347,7 @@ class PseudoGradAverager(DecentralizedAverager):
                 buf.copy_(grad)
         info.copy_seconds += time.monotonic() - t0
         self._expect_members()
-        t0, control = time.monotonic(), None
+        t0, control, totals = time.monotonic(), None, self._payload_totals.clone()
         # hivemind starts the all-reduce at the leader's deadline; a follower whose own step times out at the
         # same moment leaves a group the others then run without it. One more matchmaking period of slack.
         find_timeout = 2 * self.matchmaking_time + self.request_timeout_s
@@ -355,6 +360,7 @@ class PseudoGradAverager(DecentralizedAverager):
             began = control is not None and control.began_allreduce
             if control is not None and not control.done():
                 control.cancel()
+            self._count_payload(info, totals)  # a failed all-reduce's bytes were sent all the same
             if not began:
                 info.matchmaking_seconds += time.monotonic() - t0
                 return None, f"no group formed ({type(e).__name__}: {e})", False
@@ -362,8 +368,7 @@ class PseudoGradAverager(DecentralizedAverager):
             return None, f"all-reduce failed ({type(e).__name__}: {e})", True
         info.matchmaking_seconds += out["t_group"] - t0
         info.allreduce_seconds += time.monotonic() - out["t_group"]
-        info.bytes_sent += out["bytes_sent"]
-        info.bytes_received += out["bytes_received"]
+        self._count_payload(info, totals)
         if not out["complete"]:
             return None, f"incomplete all-reduce in a group of {out['group_size']}: {out['reason']}", True
         t0 = time.monotonic()
@@ -375,6 +380,13 @@ class PseudoGradAverager(DecentralizedAverager):
             return None, "the group's average is not finite", False
         info.group_size, info.gathered = out["group_size"], out["gathered"]
         return averaged, "", False
+
+    def _count_payload(self, info: ReduceInfo, before: torch.Tensor) -> None:
+        """Add the payload bytes counted since ``before`` (a copy of the totals) to ``info``. An attempt the host
+        gave up on while its runner still ran counts the rest with the next attempt."""
+        sent, received = (self._payload_totals - before).tolist()
+        info.bytes_sent += sent
+        info.bytes_received += received
 
     def _expect_members(self) -> None:
         """Tell the averager process how many members to assemble a group at: the expected count, within
@@ -433,6 +445,7 @@ class PseudoGradAverager(DecentralizedAverager):
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 runner = ExactRunner(
                     aggregation=aggregation,
+                    payload_bytes=PayloadBytes(self._payload_totals),
                     p2p=self._p2p,
                     servicer_type=type(self),
                     prefix=self.prefix,
@@ -468,16 +481,12 @@ class PseudoGradAverager(DecentralizedAverager):
                 vote.set_result((verdict, digest))
         deadline = t_group + self.allreduce_timeout - 1.0
         against = await self._collect_votes(group_info, modes, verdict, digest, deadline)
-        # read after the vote: a member confirms only once it got all our averaged parts, so they are counted
-        payload = runner.payload_bytes if runner is not None else Counter(sent=0, received=0)
         return dict(
             complete=verdict and not against,
             gathered=gathered,
             group_size=group_info.group_size,
             t_group=t_group,
             reason=reason or "members without a complete result: " + ", ".join(against),
-            bytes_sent=payload["sent"],
-            bytes_received=payload["received"],
         )
 
     def _counted_tokens(self, gathered: Gathered) -> dict[str, int]:

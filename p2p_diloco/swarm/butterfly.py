@@ -4,8 +4,8 @@ Inputs:  what hivemind's runner takes (the member's shared-memory tensors, the g
          built by ``PseudoGradAverager._aggregate_with_group`` (averager.py) once per group.
 Output:  the averaged tensors, bitwise equal on every member whose slices all arrived; the counters the averager
          judges completeness by (``tensor_part_container.failed_size``, the reducer's ``num_parts_received``,
-         ``banned_senders``); ``payload_bytes`` {"sent", "received"}.
-State:   per attempt: the parts in flight and the byte counters.
+         ``banned_senders``); the payload bytes it sent and received, added to a ``PayloadBytes`` as they pass.
+State:   per attempt: the parts in flight.
 Failure: as hivemind's: a reducer that fails leaves its slice with LOCAL values (``failed_size`` > 0; stock
          returns deltas and reports success); a banned or silent sender is left out of that reducer's slice.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 from p2p_diloco.codec import Codec, CodecError
 from p2p_diloco.robust import aggregate, trusted_weight
 
-__all__ = ["Aggregation", "ExactRunner", "RobustPartReducer", "WireCodec"]
+__all__ = ["Aggregation", "ExactRunner", "PayloadBytes", "RobustPartReducer", "WireCodec"]
 
 _DTYPE_PREFIX = "p2p_diloco/"  # a part's dtype field names our codec, so a part in another format is refused
 
@@ -82,25 +81,46 @@ class WireCodec(CompressionBase):
         return 1.0
 
 
-async def _counted(messages: AsyncIterable[Any], counts: Counter[str], key: str) -> AsyncIterator[Any]:
-    """``messages`` passed through; ``counts[key]`` grows by each one's protobuf size as it passes."""
+class PayloadBytes:
+    """Payload bytes sent and received, counted as messages pass. ``totals``: an int64 tensor [sent, received],
+    which may be in shared memory (the averager's host reads it while its process counts); a fresh one if None."""
+
+    SENT, RECEIVED = 0, 1
+
+    def __init__(self, totals: torch.Tensor | None = None):
+        self.totals = torch.zeros(2, dtype=torch.int64) if totals is None else totals
+
+    def add(self, key: int, size: int) -> None:
+        self.totals[key] += size
+
+    @property
+    def sent(self) -> int:
+        return int(self.totals[self.SENT])
+
+    @property
+    def received(self) -> int:
+        return int(self.totals[self.RECEIVED])
+
+
+async def _counted(messages: AsyncIterable[Any], counts: PayloadBytes, key: int) -> AsyncIterator[Any]:
+    """``messages`` passed through; ``counts`` grows by each one's protobuf size as it passes."""
     async for message in messages:
-        counts[key] += message.ByteSize()
+        counts.add(key, message.ByteSize())
         yield message
 
 
 class _CountingStub:
     """A groupmate's stub whose ``rpc_aggregate_part`` counts the payload bytes both ways into ``counts``."""
 
-    def __init__(self, stub: Any, counts: Counter[str]):
+    def __init__(self, stub: Any, counts: PayloadBytes):
         self._stub, self._counts = stub, counts
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stub, name)
 
     async def rpc_aggregate_part(self, inputs: AsyncIterable[Any], **kwargs: Any) -> AsyncIterator[Any]:
-        replies = await self._stub.rpc_aggregate_part(_counted(inputs, self._counts, "sent"), **kwargs)
-        return _counted(replies, self._counts, "received")
+        replies = await self._stub.rpc_aggregate_part(_counted(inputs, self._counts, PayloadBytes.SENT), **kwargs)
+        return _counted(replies, self._counts, PayloadBytes.RECEIVED)
 
 
 @dataclass(frozen=True)
@@ -175,18 +195,19 @@ class ExactRunner(AllReduceRunner):
     """AllReduceRunner whose results are the averaged parts themselves (bitwise equal on every member).
 
     ``aggregation``: the robust reduction and trusted weights of this member's reducer (RobustPartReducer).
-    ``payload_bytes["sent"]`` / ``["received"]``: protobuf bytes of the all-reduce messages this member handed to
-    the transport / took from it, as sender (``_get_peer_stub``) and as reducer (``rpc_aggregate_part``).
+    ``payload_bytes``: where the protobuf bytes of the all-reduce messages this member hands to the transport / takes
+    from it are added as they pass, as sender (``_get_peer_stub``) and as reducer (``rpc_aggregate_part``): every
+    byte of the attempt, whether it completes or not (a fresh counter if None).
     """
 
-    def __init__(self, aggregation: Aggregation, **kwargs: Any):
+    def __init__(self, aggregation: Aggregation, payload_bytes: PayloadBytes | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
         self.tensor_part_reducer.finished.set()  # the stock reducer it replaces: unused (else a warning as it goes)
         self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
-        self.payload_bytes: Counter[str] = Counter(sent=0, received=0)
+        self.payload_bytes = payload_bytes if payload_bytes is not None else PayloadBytes()
         # A reducer's averaged part can be no longer than the longest part it may accept: robust rules accept parts
         # up to clip x the median norm. Compared per reducer's slice (all its parts together), not per part: with
         # non-IID shards one part (an embedding block our shard barely touched, a small tensor) can average to 6.7x
@@ -223,10 +244,10 @@ class ExactRunner(AllReduceRunner):
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: P2PContext) -> AsyncIterator[Any]:
         """A sender's parts to our reducer and our replies to it (averaged parts or a refusal), counted."""
-        requests = _counted(stream, self.payload_bytes, "received")
+        requests = _counted(stream, self.payload_bytes, PayloadBytes.RECEIVED)
         async with contextlib.aclosing(super().rpc_aggregate_part(requests, context)) as replies:
             async for reply in replies:
-                self.payload_bytes["sent"] += reply.ByteSize()
+                self.payload_bytes.add(PayloadBytes.SENT, reply.ByteSize())
                 yield reply
 
     @property
