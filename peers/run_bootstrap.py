@@ -43,6 +43,7 @@ import sys
 import time
 
 from p2p_diloco.config import SwarmConfig
+from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.dht import (
     SwarmSetupError,
     SwarmUnreachableError,
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(exc), 3)
         except SwarmSetupError as exc:
             return _error(str(exc))
+        reachability.serve(dht)  # tell joining peers whether they can be dialled (run_peer's check at start)
         maddrs = visible_maddrs(dht)
         print(initial_peers_line(maddrs), flush=True)
         print("\n".join(maddrs), flush=True)

@@ -9,6 +9,9 @@ Usage:
     # a closed run (swarm.authorized_keys): make a key once, send the printed line to the organiser, train with it
     run_peer --identity-path me.key --print-public-key
     run_peer --identity-path me.key --initial-peers ... --config ... --log-dir runs/me
+    # behind NAT: the peer checks at start whether others can dial it and, if not, runs as a client (it trains and
+    # contributes, but never leads or reduces); force either way with --client-mode / --no-client-mode
+    run_peer --initial-peers ... --config ... --log-dir runs/me --client-mode --use-auto-relay
 
 Exit codes: 0 finished or stopped by SIGINT/SIGTERM; 2 bad input (config, data, address); 3 no initial peer
 answered; 1 anything unexpected, or swarm.max_failed_rounds failed rounds in a row (checkpointed first).
@@ -53,6 +56,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-maddrs", nargs="*", default=None, help="listen addresses (default /ip4/0.0.0.0/tcp/0)")
     p.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses, when behind NAT")
     p.add_argument("--identity-path", default=None, help="key file for a stable peer id (created if missing)")
+    p.add_argument(
+        "--client-mode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--client-mode: never lead a group or reduce (others cannot dial this peer, e.g. behind NAT), still "
+        "contribute and download the state; --no-client-mode: a full peer whatever the check says; neither: a "
+        "dial-back check at start decides (not reachable: client)",
+    )
+    p.add_argument(
+        "--no-relay",
+        dest="use_relay",
+        action="store_false",
+        help="disable libp2p circuit relays (by default peers can reach others through relays)",
+    )
+    p.add_argument(
+        "--use-auto-relay",
+        action="store_true",
+        help="behind NAT: reserve a slot on a relay (the initial peers) and announce the relayed address",
+    )
     p.add_argument(
         "--print-public-key",
         action="store_true",
@@ -106,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             host_maddrs=args.host_maddrs,
             announce_maddrs=args.announce_maddrs,
             identity_path=args.identity_path,
+            client_mode=args.client_mode,
+            use_relay=args.use_relay,
+            use_auto_relay=args.use_auto_relay,
             stop=stop,
         )
         return TrainingPeer(cfg, opts).run()

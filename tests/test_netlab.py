@@ -84,3 +84,126 @@ def test_netlab_smoke(lab_ok, spawn, tmp_path):
     assert all(s is not None and max(s["group_sizes"]) == 2 for s in c["per_peer"])  # peers found each other
     assert all(link["tx_bytes"] > c["bytes_sent_per_round"] for link in c["links"])  # through the lab's links
     assert data["rows"] and data["rows"][0]["value"] == c["utilisation"]
+
+
+# ----------------------------------------------------------------------------------------- peers behind NAT
+
+TINY = ROOT / "configs" / "tiny.yaml"
+NAT_ROUNDS = 4
+NAT_SETS = [
+    f"train.rounds={NAT_ROUNDS}",
+    "inner.steps=5",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "data.eval_batches=1",
+    "data.num_shards=3",
+    "logging.progress_bar=false",
+    "swarm.min_group_size=2",
+    "swarm.start_peers=3",
+    "swarm.matchmaking_time=10",
+    "swarm.request_timeout=3",
+    "swarm.allreduce_timeout=20",
+    "swarm.next_chunk_timeout=5",
+    "swarm.round_deadline=90",
+    "swarm.join_timeout=40",
+    "swarm.state_timeout=15",
+    "swarm.linger_seconds=2",
+]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+@pytest.mark.xfail(
+    reason="open (issue #12): a client-mode peer's DHT read of the run's announcements returns one replica holding "
+    "1-2 of the 3 peers (hivemind's get(latest=True) takes the freshest replica, it does not merge subkeys across "
+    "replicas), so the clients see no reachable member and take local steps; the reachability lines already hold",
+    strict=False,
+)
+def test_two_peers_behind_two_nats_train_with_a_reachable_one(lab_ok, tmp_path):
+    """A reachable peer (home 0) and two peers behind two different masquerading routers (homes 1 and 2) that
+    cannot reach each other: the NAT'd ones find out at start that nobody can dial them and run as clients, and all
+    three average every round as one group (the reachable peer leads and reduces; the clients' verdicts reach each
+    other through it), ending each round bitwise equal; all three show in the monitor."""
+    with netns.Lab(homes=3, nat=[1, 2]) as lab:
+        env = netns.single_thread_env()
+        boot = lab.spawn(
+            lab.wan, [sys.executable, "-m", "peers.run_bootstrap", "--host-maddrs", f"/ip4/{lab.wan_ip}/tcp/0"], env
+        )
+        initial = boot.wait_for_line(r"^--initial-peers ", timeout=60).string.split()[1:]
+        dirs = [tmp_path / f"peer{k}" for k in range(3)]
+        peers = []
+        for k, (home, d) in enumerate(zip(lab.homes, dirs, strict=True)):
+            args = [
+                sys.executable,
+                "-m",
+                "peers.run_peer",
+                "--config",
+                str(TINY),
+                "--log-dir",
+                str(d),
+                "--host-maddrs",
+                "/ip4/0.0.0.0/tcp/0",
+                "--initial-peers",
+                *initial,
+            ]
+            for s in [*NAT_SETS, f"data.shard_index={k}"]:
+                args += ["--set", s]
+            peers.append(lab.spawn(home.ns, args, env))
+        modes = [
+            p.wait_for_line(r"^(reachable at|not reachable from outside|reachability unknown)", timeout=90)
+            for p in peers
+        ]
+        monitor = lab.spawn(
+            lab.wan,
+            [
+                sys.executable,
+                "-m",
+                "peers.run_monitor",
+                "--initial-peers",
+                *initial,
+                "--run-id",
+                "tiny-demo",
+                "--out",
+                str(tmp_path / "monitor"),
+                "--interval",
+                "1",
+                "--host-maddrs",
+                f"/ip4/{lab.wan_ip}/tcp/0",
+            ],
+            env,
+        )
+        for p in peers:
+            rc = p.wait(timeout=180)
+            assert rc == 0, p.describe(60)
+        monitor.stop(grace=10)
+        for k, m in enumerate(modes):
+            print(f"peer {k} ({'NAT' if lab.homes[k].router else 'reachable'}): {m.string}")
+        assert modes[0].string.startswith("reachable at /ip4/" + lab.homes[0].public_ip), modes[0].string
+        for k in (1, 2):  # the router's address, the port that was refused, and what to do about it
+            line = modes[k].string
+            assert line.startswith("not reachable from outside") and lab.homes[k].public_ip in line, line
+            assert "running as a client" in line and "--announce-maddrs" in line, line
+
+    recs = [_jsonl(d / "metrics.jsonl") for d in dirs]
+    ids = [json.loads((d / "run_metadata.json").read_text())["peer_id"] for d in dirs]
+    for k, r in enumerate(recs):
+        print(f"peer {k}: " + "  ".join(f"r{x['outer_step']} g{x['group_size']} {x['decision']}" for x in r))
+    by_step: dict[int, set[str]] = {}
+    for r in recs:
+        for x in r:
+            by_step.setdefault(x["outer_step"], set()).add(x["checksum"])
+    assert sorted(by_step) == list(range(1, NAT_ROUNDS + 1)), by_step
+    assert all(len(c) == 1 for c in by_step.values()), by_step  # bitwise equal every round
+    for k in (1, 2):  # each NAT'd peer contributed to every round in a group of all three
+        assert [x["group_size"] for x in recs[k]] == [3] * NAT_ROUNDS, recs[k]
+        assert all(x["reduce_complete"] and x["decision"] == "apply" for x in recs[k]), recs[k]
+        assert all(set(x["group_peers"]) == set(ids) for x in recs[k]), recs[k]
+        assert all(x["bytes_sent"] > 0 for x in recs[k])  # its Δ went to the reducer
+    seen = set()
+    for line in _jsonl(tmp_path / "monitor" / "monitor.jsonl"):
+        seen |= set(line.get("peers", {}))
+    assert set(ids) <= seen, (ids, seen)

@@ -40,6 +40,14 @@ answering some peers only; the per-round checksum comparison of outer states is 
 ``ExactRunner`` (butterfly.py) is the all-reduce of one attempt: averaged parts bitwise equal on every member,
 stalled senders banned, payload bytes counted.
 
+Client mode (the DHT's ``client_mode``, hivemind's ``AveragingMode.CLIENT``: a peer others cannot dial, behind
+NAT): it registers no RPC handler, never declares itself a leader and reduces nothing (its share of the vector is 0),
+but sends its Δ to the reducers and takes the averaged parts back over the streams it opened, so it contributes and
+ends bitwise equal to the group. Its vote goes to the group's nodes only, and each node answers with its view of
+every client's verdict (``_collect_votes``), so two clients that cannot reach each other still agree. It serves no
+state. With ``reachable_members`` at 0 (no live node in the run) ``reduce`` returns the local result at once, with
+``NO_REACHABLE_MEMBER`` as the reason.
+
 Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
 process (the group is assembled; a group smaller than the expected size forms only at the leader's
 ``matchmaking_time`` deadline); ``allreduce_seconds`` from there to the end of the vote. Both are summed over
@@ -108,6 +116,11 @@ __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
 log = logging.getLogger("p2p_diloco.averager")
 BAN_SECONDS = 600.0  # how long a reducer caught lying is kept out of our groups
+NO_REACHABLE_MEMBER = (
+    "no group: this peer runs as a client (not reachable from outside) and no live peer of the run is reachable, "
+    "so nobody can lead a group or reduce; rounds stay local until a reachable peer joins (one with a forwarded "
+    "port and --announce-maddrs, or a public address)"
+)
 _STATE_KEY = "p2p_diloco_state"  # wraps the metadata: hivemind drops a state whose metadata is falsy ({})
 
 
@@ -229,6 +242,9 @@ class PseudoGradAverager(DecentralizedAverager):
         # members); a leader then assembles as soon as that many joined, instead of at matchmaking_time
         self.target_group_size_cap = target_group_size
         self.expected_members: Callable[[], int] | None = None
+        # host side, client mode only: how many live peers of the run accept calls (can lead and reduce); at 0 a
+        # round is local at once, with the reason, instead of a matchmaking that cannot succeed
+        self.reachable_members: Callable[[], int] | None = None
         if start:
             self.run_in_background(await_ready=True, timeout=60)
 
@@ -297,6 +313,9 @@ class PseudoGradAverager(DecentralizedAverager):
         alone = Gathered({str(self.peer_id): payload} if payload is not None else {})
         info = ReduceInfo(gathered=alone, check_seconds=time.monotonic() - start)
         notes: list[str] = []
+        if self.client_mode and self._no_reachable_member():
+            info.group_size, info.reason = 1, NO_REACHABLE_MEMBER
+            return [g.clone() for g in grads], info
         attempt_budget = 2 * self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
         while info.attempts < self.max_reduce_attempts:
             if info.attempts and time.monotonic() + attempt_budget > start + self.round_deadline:
@@ -312,6 +331,16 @@ class PseudoGradAverager(DecentralizedAverager):
                 break
         info.group_size, info.complete, info.reason = 1, False, "; ".join(notes)
         return [g.clone() for g in grads], info
+
+    def _no_reachable_member(self) -> bool:
+        """Whether no live peer of the run can lead a group for us (client mode; ``reachable_members`` says 0)."""
+        if self.reachable_members is None:
+            return False
+        try:
+            return int(self.reachable_members()) == 0
+        except Exception as exc:  # noqa: BLE001 - not knowing who is reachable: try matchmaking as usual
+            log.debug("reachable members unknown (%r)", exc)
+            return False
 
     def _sign(self, payload: GatherPayload) -> Any:
         """Our payload's wire form, signed with our key (bound to our peer id and this run's prefix)."""
@@ -409,11 +438,13 @@ class PseudoGradAverager(DecentralizedAverager):
 
     # ---------------------------------------------------------------- averager process: all-reduce + vote
     def _vote_state(self, group_id: bytes, members: Sequence[Any] | None = None) -> dict[str, Any]:
-        """Per group: this peer's verdict (a future of (complete, digest)), verdicts pushed to us by others, a
-        change event, and the members (once this peer knows the group)."""
+        """Per group: this peer's verdict and, on a node, its group view (futures of (complete, digest); see
+        ``_collect_votes``), verdicts pushed to us by others, a change event, and the members (once known)."""
         if group_id not in self._votes:
             loop = asyncio.get_event_loop()
-            self._votes[group_id] = dict(mine=loop.create_future(), heard={}, changed=asyncio.Event(), members=None)
+            self._votes[group_id] = dict(
+                mine=loop.create_future(), view=loop.create_future(), heard={}, changed=asyncio.Event(), members=None
+            )
             if len(self._votes) > 16:  # keep the verdicts of recent groups only
                 self._votes.popitem(last=False)
         state = self._votes[group_id]
@@ -512,8 +543,13 @@ class PseudoGradAverager(DecentralizedAverager):
 
         A verdict is (complete?, digest of the member's averaged vector): a member counts as confirming only with
         a True verdict and the same digest as ours, so a reducer that sent different members different results
-        fails the attempt. Every member pushes its verdict to every member that accepts calls (not client-mode)
-        and gets that member's verdict back; verdicts of client-mode members arrive only as their pushes.
+        fails the attempt. Client-mode members (behind NAT) accept no calls, and two of them cannot reach each
+        other, so the verdicts travel through the members that accept calls ("nodes"; a group always holds one,
+        its leader): every member pushes its verdict to every node (``rpc_vote``), and a node answers with its
+        GROUP VIEW: True only if its own verdict is and every client member pushed True with the node's digest
+        (it waits for them until ``deadline``; the view is fixed once, so every caller gets the same answer). A
+        node confirms the attempt when every other node's view and every client's push agree with it; a client
+        when every node's view does (which covers the other clients).
         """
         state = self._vote_state(group_info.group_id, group_info.peer_ids)
         request = _vote_message(group_info.group_id, verdict, digest)
@@ -526,22 +562,28 @@ class PseudoGradAverager(DecentralizedAverager):
             timeout = max(0.5, deadline - time.monotonic())
             return _read_vote(await stub.rpc_vote(request, timeout=timeout)) == (True, digest)
 
-        answers = await asyncio.gather(*map(ask, callable_peers), return_exceptions=True)
-        while not all(c in state["heard"] for c in clients) and time.monotonic() < deadline:
-            state["changed"].clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(state["changed"].wait(), timeout=deadline - time.monotonic())
+        asks = asyncio.gather(*map(ask, callable_peers), return_exceptions=True)
+        against: list[str] = []
+        if self.mode != AveragingMode.CLIENT:  # a node: hear every client, then fix the view it answers with
+            while not all(c in state["heard"] for c in clients) and time.monotonic() < deadline:
+                state["changed"].clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(state["changed"].wait(), timeout=deadline - time.monotonic())
+            heard = dict(state["heard"])
+            against += [f"{p[-6:]}(no)" for p in clients if p in heard and heard[p] != (True, digest)]
+            against += [f"{p[-6:]}(silent)" for p in clients if p not in heard]
+            if not state["view"].done():
+                state["view"].set_result((verdict and not against, digest))
+        answers = await asks
         against = [
             f"{str(p)[-6:]}({'no' if a is False else type(a).__name__})"
             for p, a in zip(callable_peers, answers, strict=True)
             if a is not True
-        ]
-        against += [f"{p[-6:]}(no)" for p, heard in state["heard"].items() if heard != (True, digest)]
-        against += [f"{p[-6:]}(silent)" for p in clients if p not in state["heard"]]
+        ] + against
         return against
 
     async def rpc_vote(self, request: averaging_pb2.AveragingData, context: P2PContext) -> averaging_pb2.AveragingData:
-        """Record the caller's verdict; answer with ours once known (False if not known in time).
+        """Record the caller's verdict; answer with this node's group view once fixed (False if not in time).
 
         Only for a group this peer is in, from a member of it: anything else is answered False and not kept, so a
         flood of made-up group ids cannot push the live group's verdicts out.
@@ -555,16 +597,18 @@ class PseudoGradAverager(DecentralizedAverager):
         state["heard"][str(context.remote_id)] = _read_vote(request)
         state["changed"].set()
         try:
-            verdict, digest = await asyncio.wait_for(asyncio.shield(state["mine"]), timeout=self.allreduce_timeout)
+            verdict, digest = await asyncio.wait_for(asyncio.shield(state["view"]), timeout=self.allreduce_timeout)
         except asyncio.TimeoutError:
             verdict, digest = False, b""
         return _vote_message(request.group_id, verdict, digest)
 
     # ---------------------------------------------------------------- state sharing
     def set_state_provider(self, fn: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
-        """Serve ``fn()`` -> (metadata dict, tensors) to peers calling ``load_state``; enables sharing."""
+        """Serve ``fn()`` -> (metadata dict, tensors) to peers calling ``load_state``; enables sharing. A client-mode
+        averager (behind NAT: nobody can call it) keeps ``fn`` but serves nothing."""
         self._state_provider = fn
-        self.allow_state_sharing = True
+        if not self.client_mode:
+            self.allow_state_sharing = True
 
     def get_current_state(self) -> tuple[dict, list[torch.Tensor], None]:
         """Called by hivemind in the host process when a peer downloads our state."""

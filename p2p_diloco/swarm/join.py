@@ -5,7 +5,8 @@ Inputs:  the DHT node, the Config, this peer's fingerprint and its summary (fing
 Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint`` (one signed subkey per peer, its
          owner key: only that key can write it, and the key names the peer id, so nobody announces for another peer;
          its fingerprint, the summary, its round and the tags of its last 8 outer states, the last one the state
-         it holds; refreshed after every change of the state and every round) and the others' announcements
+         it holds, and ``client`` when it runs in client mode (it vouches, but is no donor and leads and reduces
+         nothing); refreshed after every change of the state and every round) and the others' announcements
          (``vouches``: what sync.py's downloads trust); ``first_state``: the worker holds its starting outer state
          (checkpoint, seed or the swarm's) when it returns; ``wait_for_start_peers``: holds round 1 until
          ``swarm.start_peers`` peers are up. In a closed run only the listed peers' announcements count.
@@ -56,6 +57,9 @@ class PeerOptions:
     host_maddrs: list[str] | None = None
     announce_maddrs: list[str] | None = None
     identity_path: str | None = None
+    client_mode: bool | None = None  # True: --client-mode, False: --no-client-mode, None: by the reachability check
+    use_relay: bool = True  # libp2p circuit relay: reach peers through relays (hivemind's default)
+    use_auto_relay: bool = False  # look for relays and announce relayed addresses (behind NAT)
     stop: threading.Event = field(default_factory=threading.Event)
 
 
@@ -74,8 +78,9 @@ class Membership:
         fingerprint: str,
         summary: dict[str, Any],
         authorized: frozenset[str] | None = None,
+        client: bool = False,
     ) -> None:
-        self.dht, self.cfg, self.peer_id = dht, cfg, identity.peer_id
+        self.dht, self.cfg, self.peer_id, self.client = dht, cfg, identity.peer_id, client
         self.fingerprint, self.summary, self.authorized = fingerprint, summary, authorized
         self.key = f"{cfg.swarm.run_id}_fingerprint"
         self.subkey = owner_subkey(identity.public_key)
@@ -94,6 +99,8 @@ class Membership:
             "round": tag.round,
             "states": [[t.round, t.checksum] for t in self.states],
         }
+        if self.client:
+            self._value["client"] = True
         return self._store(value, wait)
 
     def refresh(self) -> None:
@@ -104,8 +111,12 @@ class Membership:
     def _store(self, value: dict[str, Any], wait: bool) -> bool:
         expires = get_dht_time() + self.cfg.swarm.record_ttl
 
+        # a client-mode node counts itself among the nearest nodes and would keep a copy holding only our subkey;
+        # with the newest expiration, that copy is what its get(latest=True) answers (the others vanish)
+        extra = {"exclude_self": True} if self.client else {}
+
         def store() -> Any:
-            return self.dht.store(self.key, value, expires, subkey=self.subkey, return_future=True)
+            return self.dht.store(self.key, value, expires, subkey=self.subkey, return_future=True, **extra)
 
         if not wait:
             try:
@@ -149,6 +160,11 @@ class Membership:
         averager assembles a group as soon as that many joined (swarm.target_group_size is only the cap)."""
         return 1 + sum(1 for v in self.mates() if v.get("live"))
 
+    def reachable_members(self) -> int:
+        """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
+        reduce for a client-mode peer."""
+        return sum(1 for v in self.mates() if v.get("live") and not v.get("client"))
+
     def vouches(self) -> Vouches:
         """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch).
         A peer that left (its announcement not refreshed within LIVE seconds) still vouches for what it held, but
@@ -162,7 +178,7 @@ class Membership:
                 out.vouchers.setdefault(tag, set()).add(peer)
             if announcement["live"]:
                 out.peers += 1
-                if tags:
+                if tags and not announcement.get("client"):  # a client-mode peer cannot be dialled to serve it
                     out.holders.setdefault(tags[-1], []).append(peer)
         return out
 

@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, save_round
 from p2p_diloco.config import Config, write_run_metadata
@@ -39,6 +40,7 @@ from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.fingerprint import swarm_fingerprint
 from p2p_diloco.outer import OuterState
 from p2p_diloco.robust import max_round_tokens
+from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
@@ -87,23 +89,41 @@ class TrainingPeer:
                 f"peer's key; ask the organiser to add this line to it:\n  {identity.public_key.decode()}"
             )
         validators, public_key = make_validators(s.run_id, identity), owner_subkey(identity.public_key)
-        self.dht = start_dht(
-            self.opts.initial_peers,
-            host_maddrs=self.opts.host_maddrs,
-            announce_maddrs=self.opts.announce_maddrs,
-            identity_path=identity.path,
-            join_timeout=s.join_timeout,
-            record_validators=validators,
-            new_swarm=self.opts.new_swarm,
-            check_if_identity_free=not own_key,  # hivemind dials the id to check (seconds); a log dir is ours
-        )
+
+        def start(client_mode: bool) -> Any:
+            return start_dht(
+                self.opts.initial_peers,
+                host_maddrs=self.opts.host_maddrs,
+                announce_maddrs=self.opts.announce_maddrs,
+                identity_path=identity.path,
+                client_mode=client_mode,
+                join_timeout=s.join_timeout,
+                record_validators=validators,
+                new_swarm=self.opts.new_swarm,
+                check_if_identity_free=not own_key,  # hivemind dials the id to check (seconds); a log dir is ours
+                use_relay=self.opts.use_relay,
+                use_auto_relay=self.opts.use_auto_relay,
+            )
+
+        self.dht = start(self.opts.client_mode is True)
         self.peer_id = str(self.dht.peer_id)
-        print(f"peer {self.peer_id} reachable as: {initial_peers_line(visible_maddrs(self.dht))}", flush=True)
+        mode = self._choose_mode()
+        if mode.client and not self.dht.client_mode:  # hivemind fixes a DHT node's mode at start: start it again
+            shutdown_dht(self.dht)
+            self.dht = None
+            self.dht = start(True)
+        print(mode.line, flush=True)
+        if self.dht.client_mode:
+            print(f"peer {self.peer_id} runs as a client: others cannot dial it, so it has no address to hand out")
+        else:
+            reachability.serve(self.dht)
+            print(f"peer {self.peer_id} reachable as: {initial_peers_line(visible_maddrs(self.dht))}", flush=True)
         shard = cfg.data.shard_index
         shard = shard if shard is not None else shard_for_peer(self.peer_id, cfg.data.num_shards)
         self.worker = worker = Worker(cfg, self.data.vocab_size, self.data.train_batches(shard, cfg.seed))
         fingerprint, summary = swarm_fingerprint(cfg, worker.model, self.data)
-        self.members = members = Membership(self.dht, cfg, identity, fingerprint, summary, authorized)
+        client = self.dht.client_mode
+        self.members = members = Membership(self.dht, cfg, identity, fingerprint, summary, authorized, client)
         members.check()
         members.announce(worker.tag())
         prefix = f"{s.run_id}_{fingerprint}"
@@ -117,6 +137,7 @@ class TrainingPeer:
             authorized=authorized,
         )
         self.averager.expected_members = members.expected_members
+        self.averager.reachable_members = members.reachable_members
         self.sync = sync = StateSync(
             worker,
             self.averager,
@@ -154,6 +175,18 @@ class TrainingPeer:
             worker.state.round,
             prefix,
         )
+
+    def _choose_mode(self) -> reachability.Mode:
+        """Client or full peer (``--client-mode`` / ``--no-client-mode`` win; otherwise the dial-back check decides)."""
+        flag = self.opts.client_mode
+        if flag is True:
+            found = reachability.Reachability(None, detail="--client-mode")
+        elif self.opts.new_swarm and not self.opts.initial_peers:
+            found = reachability.Reachability(None, detail="the first peer of a new swarm has nobody to ask")
+        else:
+            ask = [m.rsplit("/p2p/", 1)[-1] for m in self.opts.initial_peers if "/p2p/" in m]
+            found = reachability.check(self.dht, ask, visible_maddrs(self.dht), timeout=self.cfg.swarm.dht_timeout)
+        return reachability.choose_mode(flag, found)
 
     def _heartbeat(self) -> None:
         """Refresh our announcement while we are up, so peers count us as there (join.Membership.LIVE)."""

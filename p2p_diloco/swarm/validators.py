@@ -203,6 +203,7 @@ class _FingerprintWire(pydantic_v1.BaseModel):
     summary: _Summary
     round: pydantic_v1.conint(strict=True, ge=0, lt=MAX_STEP)
     states: States
+    client: pydantic_v1.StrictBool = False  # a client-mode peer (not reachable): it vouches, but serves no state
 
     class Config:
         extra = pydantic_v1.Extra.forbid

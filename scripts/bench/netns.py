@@ -17,6 +17,10 @@ Shape (see ../shared/docs/network-lab.md)::
     ns "nl<pid>-<tag>-w":  bridge br0 10.A.B.1/24 (the internet between homes; the bootstrap runs here)
       port p<k> (tbf at the home's rate: caps what home k receives, when shape_ingress)
         veth  ==  ns "nl<pid>-<tag>-h<k>": wan0 10.A.B.<11+k>/24, tbf at the home's rate (caps what it sends)
+      or, for a home in ``nat``:
+        veth  ==  ns "nl<pid>-<tag>-r<k>" (router): wan0 10.A.B.<11+k>/24, lan0 192.168.<k+1>.1/24, masquerade,
+                  new connections from wan0 dropped
+                  veth  ==  ns "nl<pid>-<tag>-h<k>": wan0 192.168.<k+1>.2/24, default route via the router
 
 A.B come from this process's pid (one /24 per lab; the namespaces are private stacks, so two labs never see
 each other anyway). Every namespace has its loopback up (p2pd and hivemind also talk to 127.0.0.1). The veth
@@ -55,7 +59,7 @@ from benchlib import BENCH_DIR, Proc, single_thread_env  # noqa: E402
 __all__ = ["Home", "Lab", "LabError", "delete", "leftovers", "tbf_args", "unavailable"]
 
 PREFIX = "nl"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-([0-9a-f]+)-(w|h\d+)$")
+_NAME = re.compile(rf"^{PREFIX}(\d+)-([0-9a-f]+)-(w|h\d+|r\d+)$")
 
 
 class LabError(RuntimeError):
@@ -95,16 +99,25 @@ def unavailable() -> str | None:
 @dataclass
 class Home:
     ns: str
-    ip: str
+    ip: str  # the home's own address (behind NAT: 192.168.<k+1>.2, which nobody outside can route to)
     rate_mbit: float | None  # None: unshaped
+    router: str | None = None  # behind NAT: the namespace of its masquerading router
+    public_ip: str | None = None  # the address others see it at (its router's on the bridge; else ``ip``)
 
 
 class Lab:
     """``homes`` namespaces on one bridge (see the module docstring). ``rate_mbit``: one rate for all, or one
-    per home (None: no tbf on that home's link). ``shape_ingress``: also cap the bridge port towards each home."""
+    per home (None: no tbf on that home's link). ``shape_ingress``: also cap the bridge port towards each home.
+    ``nat``: the homes (indices) that sit behind their own masquerading router: ns ``-r<k>`` holds the bridge
+    address 10.A.B.<11+k> and NATs the home's 192.168.<k+1>.0/24 behind it (nftables; new connections from the
+    bridge side are dropped, no port is forwarded), so the home reaches everyone and nobody reaches it."""
 
     def __init__(
-        self, homes: int, rate_mbit: float | None | Sequence[float | None] = None, shape_ingress: bool = True
+        self,
+        homes: int,
+        rate_mbit: float | None | Sequence[float | None] = None,
+        shape_ingress: bool = True,
+        nat: Sequence[int] = (),
     ) -> None:
         if not 1 <= homes <= 200:
             raise ValueError(f"homes={homes}: must be 1..200")
@@ -115,7 +128,14 @@ class Lab:
         self.tag = f"{PREFIX}{pid}-{secrets.token_hex(2)}"
         net = f"10.{(pid >> 8) & 255}.{pid & 255}"
         self.wan, self.wan_ip = f"{self.tag}-w", f"{net}.1"
-        self.homes = [Home(f"{self.tag}-h{k}", f"{net}.{11 + k}", r) for k, r in enumerate(rates)]
+        self.homes = [
+            Home(f"{self.tag}-h{k}", f"192.168.{k + 1}.2", r, f"{self.tag}-r{k}", f"{net}.{11 + k}")
+            if k in set(nat)
+            else Home(f"{self.tag}-h{k}", f"{net}.{11 + k}", r, None, f"{net}.{11 + k}")
+            for k, r in enumerate(rates)
+        ]
+        if nat and shutil.which("nft") is None:
+            raise LabError("NAT homes need nftables (apt-get install -y nftables)")
         self.shape_ingress = shape_ingress
         self.procs: list[Proc] = []
         self._made: list[str] = []
@@ -134,7 +154,7 @@ class Lab:
         self.close()
 
     def _build(self) -> None:
-        for ns in [self.wan, *(h.ns for h in self.homes)]:
+        for ns in [self.wan, *(h.ns for h in self.homes), *(h.router for h in self.homes if h.router)]:
             _run(["ip", "netns", "add", ns])
             self._made.append(ns)
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
@@ -144,17 +164,43 @@ class Lab:
         _run(["ip", "-n", w, "link", "set", "br0", "up"])
         for k, h in enumerate(self.homes):
             port = f"p{k}"
-            _run(["ip", "-n", h.ns, "link", "add", "wan0", "type", "veth", "peer", "name", port, "netns", w])
+            edge = h.router or h.ns  # the namespace whose wan0 sits on the bridge
+            _run(["ip", "-n", edge, "link", "add", "wan0", "type", "veth", "peer", "name", port, "netns", w])
             _run(["ip", "-n", w, "link", "set", port, "master", "br0"])
             _run(["ip", "-n", w, "link", "set", port, "up"])
-            _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", "wan0"])
-            _run(["ip", "-n", h.ns, "link", "set", "wan0", "up"])
+            _run(["ip", "-n", edge, "addr", "add", f"{h.public_ip}/24", "dev", "wan0"])
+            _run(["ip", "-n", edge, "link", "set", "wan0", "up"])
+            if h.router:
+                self._build_nat(k, h)
             if h.rate_mbit is not None:
                 _run(["tc", "-n", h.ns, *tbf_args("wan0", h.rate_mbit)])
                 if self.shape_ingress:
                     _run(["tc", "-n", w, *tbf_args(port, h.rate_mbit)])
         for h in self.homes:  # addresses are usable at once on a veth, but wait for the bridge to forward
             self._wait_reachable(h.ns, self.wan_ip)
+
+    def _build_nat(self, k: int, h: Home) -> None:
+        """Home ``k`` behind its router: a veth home:wan0 <-> router:lan0, masquerade out of the router's wan0."""
+        r, gw = h.router, f"192.168.{k + 1}.1"
+        _run(["ip", "-n", h.ns, "link", "add", "wan0", "type", "veth", "peer", "name", "lan0", "netns", r])
+        _run(["ip", "-n", r, "addr", "add", f"{gw}/24", "dev", "lan0"])
+        _run(["ip", "-n", r, "link", "set", "lan0", "up"])
+        _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", "wan0"])
+        _run(["ip", "-n", h.ns, "link", "set", "wan0", "up"])
+        _run(["ip", "-n", h.ns, "route", "add", "default", "via", gw])
+        _run(["ip", "netns", "exec", r, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        rules = (
+            "table ip lab {\n"
+            ' chain masq { type nat hook postrouting priority 100; oifname "wan0" masquerade; }\n'
+            " chain inbound { type filter hook forward priority 0; policy accept;"
+            ' iifname "wan0" ct state new drop; }\n'
+            "}\n"
+        )
+        res = subprocess.run(
+            ["ip", "netns", "exec", r, "nft", "-f", "-"], input=rules, capture_output=True, text=True, timeout=20
+        )
+        if res.returncode != 0:
+            raise LabError(f"nft in {r} -> rc {res.returncode}: {res.stderr.strip()}")
 
     def _wait_reachable(self, ns: str, ip: str, timeout: float = 10.0) -> None:
         """Until a TCP connect from ``ns`` to ``ip``:9 is refused (the bridge forwards) rather than timing out."""
