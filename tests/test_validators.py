@@ -46,6 +46,7 @@ FINGERPRINT = {
     "summary": {"model.hidden_size": 128, "inner.lr": 0.001, "data.name": "tiny", "x.flag": True, "y.none": None},
     "round": 3,
     "states": [[3, "ab12"], [2, "cd34"]],
+    "client": False,
 }
 
 
@@ -147,7 +148,10 @@ def test_run_schemas_through_the_whole_validator_set():
     assert ok(fp, FINGERPRINT)
     assert ok(fp, dict(FINGERPRINT, states=[]))
     assert ok(fp, dict(FINGERPRINT, summary={"a": float("nan")}))
+    assert ok(fp, dict(FINGERPRINT, client=True))
     bad = [
+        {k: v for k, v in FINGERPRINT.items() if k != "client"},  # every field is required (a default is a change)
+        dict(FINGERPRINT, client=1),
         dict(FINGERPRINT, extra=1),
         {k: v for k, v in FINGERPRINT.items() if k != "states"},
         dict(FINGERPRINT, fingerprint="x" * 65),

@@ -98,9 +98,8 @@ class Membership:
             "summary": self.summary,
             "round": tag.round,
             "states": [[t.round, t.checksum] for t in self.states],
+            "client": self.client,
         }
-        if self.client:
-            self._value["client"] = True
         return self._store(value, wait)
 
     def refresh(self) -> None:

@@ -203,7 +203,10 @@ class _FingerprintWire(pydantic_v1.BaseModel):
     summary: _Summary
     round: pydantic_v1.conint(strict=True, ge=0, lt=MAX_STEP)
     states: States
-    client: pydantic_v1.StrictBool = False  # a client-mode peer (not reachable): it vouches, but serves no state
+    # a client-mode peer (not reachable): it vouches, but serves no state. Required like every field: hivemind's
+    # SchemaValidator refuses a value that parsing changes, and a filled-in default is a change (every announcement
+    # without it was dropped, so joiners saw no member)
+    client: pydantic_v1.StrictBool
 
     class Config:
         extra = pydantic_v1.Extra.forbid
