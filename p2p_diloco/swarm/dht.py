@@ -335,7 +335,7 @@ def start_dht(
     the p2pd startup and the bootstrap pings (each); the whole call returns or raises within about
     ``2 * join_timeout + 5`` seconds. ``dht_kwargs`` go to :class:`hivemind.dht.DHT` (and on to DHTNode/P2P), e.g.
     ``use_relay`` / ``use_auto_relay`` (libp2p circuit relays). ``client_mode``: accept no incoming connections
-    (behind NAT); such a node does not cache what it stores (see the comment below).
+    (behind NAT).
     """
     if join_timeout <= 0:
         raise SwarmSetupError(f"join_timeout={join_timeout!r} must be > 0 seconds")
@@ -360,11 +360,6 @@ def start_dht(
         if not os.path.isdir(directory):
             raise SwarmSetupError(f"identity file {identity_path!r}: directory {directory!r} does not exist")
 
-    if client_mode:
-        # a client node stores nothing for others, only in its cache; after storing one subkey of a dictionary key
-        # (our announcement) that cache holds that subkey alone with the newest expiration, and get(latest=True)
-        # then answers with it: the run's other members vanish. Measured behind NAT: no peer ever saw another.
-        dht_kwargs.setdefault("cache_on_store", False)
     with children_ignore_sigint():
         dht = _DHT(
             initial_peers=peers,

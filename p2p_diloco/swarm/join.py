@@ -110,12 +110,8 @@ class Membership:
     def _store(self, value: dict[str, Any], wait: bool) -> bool:
         expires = get_dht_time() + self.cfg.swarm.record_ttl
 
-        # a client-mode node counts itself among the nearest nodes and would keep a copy holding only our subkey;
-        # with the newest expiration, that copy is what its get(latest=True) answers (the others vanish)
-        extra = {"exclude_self": True} if self.client else {}
-
         def store() -> Any:
-            return self.dht.store(self.key, value, expires, subkey=self.subkey, return_future=True, **extra)
+            return self.dht.store(self.key, value, expires, subkey=self.subkey, return_future=True)
 
         if not wait:
             try:
