@@ -72,7 +72,11 @@ class DataConfig:
 
 @dataclass
 class InnerConfig:
-    steps: int = 25  # H: inner steps per round
+    steps: int = 25  # H: inner steps per round (with round_seconds: the most a round may take)
+    # > 0: time-budgeted rounds. Every peer trains until the round's end on the swarm's clock (the next multiple
+    # of round_seconds in DHT time, the same instant on every peer), then averages: a faster peer takes more
+    # steps and weighs more (tokens), a slower one fewer, and nobody waits for anybody. 0: H steps per round.
+    round_seconds: float = 0.0
     optimizer: str = "adamw"  # adamw | sgd (sgd exists for the invariant tests)
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -223,6 +227,7 @@ def _check_ranges(cfg: Config) -> None:
     if d.source in ("files", "hub"):
         need(bool(d.path), "data.path", d.path, f"set when data.source is {d.source!r}")
     need(i.steps >= 1, "inner.steps", i.steps, ">= 1")
+    need(i.round_seconds >= 0, "inner.round_seconds", i.round_seconds, ">= 0 (0: inner.steps steps per round)")
     need(i.lr > 0, "inner.lr", i.lr, "> 0")
     need(len(i.betas) == 2 and all(0 <= b < 1 for b in i.betas), "inner.betas", i.betas, "two numbers in [0, 1)")
     need(i.weight_decay >= 0, "inner.weight_decay", i.weight_decay, ">= 0")

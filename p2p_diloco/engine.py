@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from p2p_diloco.config import Config
-from p2p_diloco.inner import InnerOptimizer, InnerStats
+from p2p_diloco.inner import InnerOptimizer, InnerStats, round_end
 from p2p_diloco.model import autocast, build_model, resolve_device
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState, outer_lr_at, pseudo_gradient
 from p2p_diloco.swarm.protocol import Action, Decision, Gathered, GatherPayload, RoundRules, RoundTag, decide
@@ -220,6 +220,7 @@ class Worker:
         self.pending: Pending | None = None
         self._exchanges: ThreadPoolExecutor | None = None
         self._tag: tuple[OuterState, int, RoundTag] | None = None  # the tag of the state as it was last hashed
+        self.round_ends_at = 0.0  # inner.round_seconds: when the last time-budgeted inner phase had to end
 
     def _counted(self, batches: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         for batch in batches:
@@ -280,11 +281,25 @@ class Worker:
         return 0 if self.pending is None else 1
 
     def train_inner(self, on_step: Callable[[int, float], None] | None = None) -> InnerStats:
-        """H inner steps from the current θ; the schedule continues at (rounds done or in flight) x H."""
-        h = self.cfg.inner.steps
+        """H inner steps from the current θ; the schedule continues at (rounds done or in flight) x H.
+
+        ``inner.round_seconds`` > 0: steps until the round's end on the swarm's clock (``inner.round_end``: the
+        next multiple of round_seconds in wall-clock time, which is hivemind's DHT time), at most H. A step's place
+        in the schedule is the share of the round's time gone, (rounds done + share) x H: the same lr for every
+        peer at the same moment of the same round, whatever its speed."""
+        h, span = self.cfg.inner.steps, self.cfg.inner.round_seconds
         try:
             done = (self.state.round + self.in_flight) * h
-            return self.inner.run(self.batches, h, done, self.autocast, self.device, on_step)
+            if span <= 0:
+                return self.inner.run(self.batches, h, done, self.autocast, self.device, on_step)
+            self.round_ends_at = end = round_end(span, time.time(), self.round_ends_at)
+
+            def position(k: int) -> float:
+                return done + h * min(1.0, max(0.0, 1.0 - (end - time.time()) / span))
+
+            return self.inner.run(
+                self.batches, h, done, self.autocast, self.device, on_step, deadline=end, position=position
+            )
         except Exception:
             self.reset_params()
             raise

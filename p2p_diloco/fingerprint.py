@@ -22,7 +22,7 @@ Output:  :func:`swarm_fingerprint` -> (12 hex digits, summary). The summary is a
                                          hub: the dataset's identity and what is read from it
            data.num_shards, .partition, data.dirichlet_alpha (only with partition=dirichlet, the only method that
            reads it), data.eval_fraction, data.seq_len
-           seed, inner.steps, outer.lr, outer.momentum, outer.nesterov, outer.lr_warmup_rounds
+           seed, inner.steps, inner.round_seconds, outer.lr, outer.momentum, outer.nesterov, outer.lr_warmup_rounds
            swarm.aggregation, swarm.aggregation_clip   how the reducers bound each sender (robust.py)
            swarm.compression, swarm.part_size_bytes    the wire codec and the parts it encodes (codec.py)
          :func:`fingerprint_differences` -> one line per differing field, ``"field: theirs X, ours Y"``.
@@ -140,6 +140,7 @@ def swarm_fingerprint(cfg: Config, model: torch.nn.Module, data: DataPipeline) -
         {
             "seed": cfg.seed,
             "inner.steps": cfg.inner.steps,
+            "inner.round_seconds": cfg.inner.round_seconds,
             "outer.lr": cfg.outer.lr,
             "outer.momentum": cfg.outer.momentum,
             "outer.nesterov": cfg.outer.nesterov,

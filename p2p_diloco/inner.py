@@ -12,7 +12,10 @@ Failure: NonFiniteLossError when a step's loss is NaN/inf (the round must be aba
          ``drop_nonfinite_state`` forgets optimizer moments that hold NaN/inf (the peer's rollback calls it).
 
 Schedule: linear warmup over ``warmup_steps`` from 0, then cosine decay to ``min_lr_ratio * lr`` at
-``total_steps`` (or constant). ``grad_accum`` batches make one step; tokens count all of them.
+``total_steps`` (or constant). ``grad_accum`` batches make one step; tokens count all of them. A step's place in
+the schedule is its global index, or what ``position`` says (time-budgeted rounds: the swarm's clock, so peers of
+different speeds step with the same lr at the same moment; engine.py). With a ``deadline`` the steps stop before one
+that would end past it (the last step's duration is the estimate); at least one step is always taken.
 """
 
 from __future__ import annotations
@@ -26,15 +29,15 @@ import torch
 
 from p2p_diloco.config import InnerConfig
 
-__all__ = ["InnerOptimizer", "InnerStats", "NonFiniteLossError", "lr_at", "peak_memory_bytes"]
+__all__ = ["InnerOptimizer", "InnerStats", "NonFiniteLossError", "lr_at", "peak_memory_bytes", "round_end"]
 
 
 class NonFiniteLossError(FloatingPointError):
     """An inner step produced a NaN or infinite loss."""
 
 
-def lr_at(step: int, cfg: InnerConfig, total_steps: int) -> float:
-    """Learning rate of inner step ``step`` (0-based, counted across rounds)."""
+def lr_at(step: float, cfg: InnerConfig, total_steps: int) -> float:
+    """Learning rate of inner step ``step`` (0-based, counted across rounds; a fraction between two steps is fine)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -43,6 +46,16 @@ def lr_at(step: int, cfg: InnerConfig, total_steps: int) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.min_lr_ratio * cfg.lr
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def round_end(round_seconds: float, now: float, after: float = 0.0) -> float:
+    """When a time-budgeted round that starts at ``now`` ends: the first multiple of ``round_seconds`` after
+    ``now`` (the same instant for every peer whose clock agrees), and at least ``round_seconds`` after ``after`` (the
+    previous round's end: a peer whose exchange finished before that end does not get a sliver of a round)."""
+    end = (math.floor(now / round_seconds) + 1) * round_seconds
+    while end < after + round_seconds - 1e-6:
+        end += round_seconds
+    return end
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -115,7 +128,7 @@ class InnerOptimizer:
                     return True
         return False
 
-    def apply(self, step: int) -> None:
+    def apply(self, step: float) -> None:
         """Clip, set the scheduled lr for global step ``step`` and take the optimizer step."""
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -133,17 +146,26 @@ class InnerOptimizer:
         autocast: Callable,
         device: torch.device,
         on_step: Callable[[int, float], None] | None = None,
+        *,
+        deadline: float | None = None,
+        position: Callable[[int], float] | None = None,
     ) -> InnerStats:
-        """Take ``steps`` optimizer steps starting at global step ``first_step``."""
+        """Take ``steps`` optimizer steps starting at global step ``first_step``; with ``deadline`` (a ``time.time()``)
+        stop before a step that would end after it (at least one step); ``position(k)``: step k's place in the
+        schedule (default ``first_step + k``)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)  # an abandoned step's grads (NaN loss, stop) must not add up here
         stats = InnerStats(started=time.time())
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
+        start, last = time.perf_counter(), 0.0
         for k in range(steps):
+            began = time.time()
+            if k and deadline is not None and began + last > deadline:
+                break
             loss, tokens = self.compute_grads(batches, autocast, device)
-            self.apply(first_step + k)
+            self.apply(first_step + k if position is None else position(k))
+            last = time.time() - began
             stats.losses.append(loss)
             stats.tokens += tokens
             stats.steps += 1

@@ -9,7 +9,8 @@ Inputs:  a command line and an environment (torch/OpenMP threads default to 1 pe
 Output:  a Proc: the child in its own session (so its process group holds its DHT, averager and p2pd
          children), stdout lines on a queue read with deadlines, stdout and stderr kept for messages.
          /proc readers: the live members of a process group, the live descendants of a pid.
-State:   two reader threads per Proc; nothing global.
+         ``Throttle``: one process made N times slower (SIGSTOP/SIGCONT duty cycle), as on a slower GPU.
+State:   two reader threads per Proc, one per Throttle; nothing global.
 Failure: ProcessOutputError (a RuntimeError, with the child's output) when an expected line does not come
          in time or stdout closes first. kill_group() never raises for a child that is already gone.
 """
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["Proc", "ProcessOutputError", "descendants", "live_group_members", "wait_until"]
+__all__ = ["Proc", "ProcessOutputError", "Throttle", "descendants", "live_group_members", "wait_until"]
 
 
 class ProcessOutputError(RuntimeError):
@@ -217,3 +218,41 @@ def wait_until(predicate: Callable[[], object], timeout: float, poll: float = 0.
         if time.monotonic() >= deadline:
             return False
         time.sleep(poll)
+
+
+class Throttle:
+    """Make one process ``slowdown`` times slower while in the ``with`` block: it is stopped (SIGSTOP) for
+    ``1 - 1/slowdown`` of every ``period`` seconds and runs the rest. Only that pid: a training peer's DHT and
+    averager processes keep running, as on a machine with a slower GPU. It is always continued on the way out."""
+
+    def __init__(self, pid: int, slowdown: float, period: float = 0.1):
+        if slowdown < 1:
+            raise ValueError(f"slowdown={slowdown} must be >= 1")
+        self.pid, self.period, self.stopped = pid, period, 1.0 - 1.0 / slowdown
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._cycle, name=f"throttle-{pid}", daemon=True)
+
+    def _signal(self, sig: int) -> bool:
+        try:
+            os.kill(self.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def _cycle(self) -> None:
+        try:
+            while not self._done.is_set() and self._signal(signal.SIGSTOP):
+                self._done.wait(self.period * self.stopped)
+                if not self._signal(signal.SIGCONT):
+                    return
+                self._done.wait(self.period * (1.0 - self.stopped))
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def __enter__(self) -> Throttle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()

@@ -1,12 +1,13 @@
 """scripts/procs.py: lines read with deadlines, errors that carry the child's output, a group kill that leaves
-nothing behind (a grandchild included)."""
+nothing behind (a grandchild included); a throttled process runs slower and is left running."""
 
 import os
 import sys
+import time
 
 import pytest
 
-from scripts.procs import Proc, ProcessOutputError, descendants, live_group_members, wait_until
+from scripts.procs import Proc, ProcessOutputError, Throttle, descendants, live_group_members, wait_until
 
 # prints a line, starts a grandchild that sleeps in the same process group, then waits for stdin lines
 CHILD = """
@@ -47,4 +48,42 @@ def test_stdout_closing_first_is_reported_and_threads_default_to_one():
                 proc.wait_for_line("more", timeout=30)
             assert proc.wait(timeout=30) == 0
         finally:
+            proc.kill_group()
+
+
+# counts busy loops; prints the count every time a line comes on stdin
+COUNTER = """
+import sys, threading
+count = [0]
+def spin():
+    while True:
+        count[0] += 1
+threading.Thread(target=spin, daemon=True).start()
+print("ready", flush=True)
+for line in sys.stdin:
+    print(count[0], flush=True)
+"""
+
+
+def test_a_throttled_process_makes_a_fraction_of_a_siblings_progress_and_is_continued_after():
+    procs = [Proc([sys.executable, "-c", COUNTER], stdin=True) for _ in range(2)]
+    try:
+        for proc in procs:
+            proc.wait_for_line(r"^ready$", timeout=30)
+
+        def counts() -> list[int]:
+            for proc in procs:
+                proc.send("count")
+            return [int(proc.wait_for_line(r"^\d+$", timeout=30).string) for proc in procs]
+
+        with Throttle(procs[1].pid, slowdown=4, period=0.05):
+            before = counts()
+            time.sleep(2.0)
+            after = counts()
+        free, throttled = (a - b for a, b in zip(after, before))
+        assert throttled < 0.6 * free, (throttled, free)  # 1/4 of the time running (the sibling shares 2 cores)
+        time.sleep(0.5)
+        assert counts()[1] > after[1]  # running again: not left stopped
+    finally:
+        for proc in procs:
             proc.kill_group()

@@ -19,7 +19,7 @@ import pytest
 from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state
 from p2p_diloco.config import load_config
 from p2p_diloco.simulate import simulate, wire_bytes_sent
-from scripts.procs import live_group_members, wait_until
+from scripts.procs import Throttle, live_group_members, wait_until
 
 pytestmark = pytest.mark.swarm
 
@@ -171,6 +171,35 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     diff = max((a - b).abs().max().item() for a, b in zip(swarm.anchor + swarm.momentum, sim.anchor + sim.momentum))
     print(f"swarm vs simulator ({compression}, overlap {overlap}): max abs difference {diff:.3g}")
     assert diff <= tolerance
+
+
+@pytest.mark.timeout(240)
+def test_budgeted_rounds_end_together_for_peers_of_different_speeds(spawn, tmp_path):
+    """inner.round_seconds: a peer made 3x slower (stopped 2/3 of the time, as on a slower GPU) takes fewer steps
+    in the same rounds, instead of falling behind: both peers average every round, hold the same state after each,
+    and the slow one's Δ counts with its own (smaller) token count."""
+    boot, initial = start_bootstrap(spawn)
+    sets = [
+        "train.rounds=4",
+        "inner.steps=1000",
+        "inner.round_seconds=5",
+        "data.num_shards=2",
+        "swarm.min_group_size=2",
+        "swarm.start_peers=2",
+    ]
+    dirs = [tmp_path / "fast", tmp_path / "slow"]
+    peers = [start_peer(spawn, initial, d, *sets, f"data.shard_index={k}") for k, d in enumerate(dirs)]
+    peers[1].wait_for_line(r"^joined at round 0", timeout=90)
+    with Throttle(peers[1].pid, slowdown=3):
+        finish(peers, timeout=180)
+
+    by_step = checksums_by_step(dirs)
+    assert sorted(by_step) == [1, 2, 3, 4] and all(len(c) == 1 for c in by_step.values()), by_step
+    fast, slow = (records(d) for d in dirs)
+    assert [r["group_size"] for r in fast] == [r["group_size"] for r in slow] == [2, 2, 2, 2]
+    fast_tokens, slow_tokens = sum(r["tokens"] for r in fast[1:]), sum(r["tokens"] for r in slow[1:])
+    print(f"tokens per round, fast: {[r['tokens'] for r in fast]}, slow: {[r['tokens'] for r in slow]}")
+    assert 0 < slow_tokens < 0.7 * fast_tokens, (slow_tokens, fast_tokens)  # same rounds, fewer steps
 
 
 @pytest.mark.timeout(240)

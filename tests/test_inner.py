@@ -1,0 +1,75 @@
+"""The inner phase: time-budgeted rounds (inner.round_seconds) end on the swarm's clock, whatever a peer's speed."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2p_diloco.config import ConfigError, load_config
+from p2p_diloco.engine import Worker
+from p2p_diloco.inner import lr_at, round_end
+
+TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+def _batches(seed, vocab=257, shape=(4, 32)):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(0, vocab, shape, generator=g)
+
+
+def test_round_end_is_the_next_multiple_and_never_a_sliver_after_the_last_round():
+    assert round_end(10.0, 123.4) == 130.0
+    assert round_end(10.0, 130.0) == 140.0  # on a boundary: the next one
+    # the previous round ended at 130 and its exchange finished early (129.9): the next round ends at 140, not 130
+    assert round_end(10.0, 129.9, after=130.0) == 140.0
+    assert round_end(10.0, 131.0, after=130.0) == 140.0
+    assert round_end(10.0, 145.0, after=130.0) == 150.0  # a long exchange: the boundary after it
+
+
+def test_negative_round_seconds_is_refused_with_the_field_named():
+    with pytest.raises(ConfigError, match="inner.round_seconds"):
+        load_config(TINY, ["inner.round_seconds=-1"])
+
+
+def test_workers_of_different_speeds_end_a_budgeted_round_together_with_the_same_schedule():
+    """Two workers, one made ~3x slower (a delay per step, as on a slower GPU): both stop by the round's end
+    (plus at most one of their own steps), the fast one takes more steps, and both finish at the lr that the
+    round's clock gives, not their step counts (which would put the slow one far earlier in the schedule)."""
+    cfg = load_config(TINY, ["inner.steps=1000", "inner.round_seconds=1.5", "train.rounds=4", "inner.warmup_steps=0"])
+    fast, slow = Worker(cfg, 257, _batches(0)), Worker(cfg, 257, _batches(1))
+    step_seconds = []
+
+    def slow_step(k: int, loss: float) -> None:
+        time.sleep(2 * step_seconds[-1] / len(step_seconds))
+
+    time.sleep(round_end(1.5, time.time()) - time.time() + 0.01)  # each starts its round at its beginning
+    t0 = time.time()
+    ended = [t0]  # when each step ended (the next one begins there)
+    fast_stats = fast.train_inner(lambda k, loss: (ended.append(time.time()), step_seconds.append(ended[-1] - t0)))
+    end = fast.round_ends_at
+    assert end - 1.5 <= t0 < end and ended[-2] < end  # no step began after the round's end
+    # the slow worker starts as the fast one's round ends: the next window of the same grid
+    time.sleep(max(0.0, end - time.time() + 0.01))
+    slow_stats = slow.train_inner(slow_step)
+    assert slow.round_ends_at == end + 1.5
+    assert 1 <= slow_stats.steps < fast_stats.steps < 1000
+    assert slow_stats.tokens < fast_stats.tokens
+
+    # the lr of each one's last step: the round's clock near its end (rounds done 0 + share ~1) x H
+    near_end = lr_at(1000 * 0.9, cfg.inner, 4 * 1000)
+    for worker, stats in ((fast, fast_stats), (slow, slow_stats)):
+        last_lr = worker.inner.optimizer.param_groups[0]["lr"]
+        assert last_lr <= near_end, (stats.steps, last_lr, near_end)
+    by_steps = lr_at(slow_stats.steps, cfg.inner, 4 * 1000)
+    assert slow.inner.optimizer.param_groups[0]["lr"] < 0.9 * by_steps
+
+
+def test_a_round_whose_end_has_all_but_passed_still_takes_one_step():
+    cfg = load_config(TINY, ["inner.steps=50", "inner.round_seconds=1"])
+    worker = Worker(cfg, 257, _batches(0))
+    stats = worker.inner.run(
+        worker.batches, 50, 0, worker.autocast, worker.device, deadline=time.time() - 1.0, position=lambda k: 0.0
+    )
+    assert stats.steps == 1
