@@ -9,7 +9,8 @@ tests/faults.py), optional
 ``state_meta`` (serve it with make_grads(seed + 1000, shapes) as the outer state), optional ``gather_garbage``
 (send this value instead of a gather payload), optional ``weight_scale`` (put this multiple of the declared
 tokens on the wire as the weight), optional ``forge`` (sign the payload with a key that is not this peer's),
-optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``identity_path``
+optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``client_mode``
+(true: a client-mode DHT node and averager, as a peer behind NAT runs), optional ``identity_path``
 (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the peer ids of a closed run),
 ``out_dir``.
 
@@ -94,6 +95,7 @@ def main() -> None:
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         identity_path=identity.path,
         check_if_identity_free=False,
+        client_mode=bool(cfg.get("client_mode")),
     )
     identity.close()
     grads = make_grads(seed, shapes)

@@ -156,6 +156,52 @@ def test_three_peers_get_the_weighted_mean(spawn, compression):
 
 
 @pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_two_client_mode_members_and_one_node_average_and_agree_through_the_node(spawn):
+    """p1 and p2 run as clients (behind NAT: they accept no calls, so they cannot reach each other); p0 is the one
+    node. The node leads and reduces the whole vector, and the clients' verdicts travel through its group view
+    (averager._collect_votes): all three take the weighted mean, bitwise equal, in one group of 3."""
+    peers = start_swarm(spawn, 3, per_peer={1: {"client_mode": True}, 2: {"client_mode": True}})
+    weights = [1.0, 2.0, 5.0]
+    for peer, weight in zip(peers, weights, strict=True):
+        peer.send(f"REDUCE {weight}")
+    results = [peer.expect("RESULT", 60) for peer in peers]
+    for peer, res in zip(peers, results, strict=True):
+        info = res["info"]
+        assert info["complete"] and info["group_size"] == 3, info["reason"]
+        assert sorted(p["tokens"] for p in info["gathered"]["payloads"].values()) == [1, 2, 5]
+        assert_close(peer.result(), weighted_mean([0, 1, 2], weights))
+    first = peers[0].result()
+    for peer in peers[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, peer.result(), strict=True))
+    node, *clients = [res["info"] for res in results]
+    total = sum(math.prod(shape) for shape in SHAPES) * 4
+    for client in clients:  # a client reduces nothing: it sends its whole vector and takes the whole mean back
+        assert client["bytes_sent"] >= total and client["bytes_received"] >= total, client
+    assert node["bytes_received"] >= 2 * total, node
+    for peer in peers:
+        peer.send("EXIT")
+    assert all(peer.expect("BYE", 20)["averager_alive"] is False for peer in peers)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
+def test_a_client_told_a_different_result_fails_the_attempt_for_the_other_client_too(spawn):
+    """The node (p0, the only reducer) sends one client an average 0.1% off. That client's verdict reaches the other
+    client only through the node's group view, which is then False: nobody takes the group's result (the honest
+    client's own result and the node's agree; only the view tells it that the other client's does not)."""
+    per_peer = {0: {"lie_to_first": True}, 1: {"client_mode": True}, 2: {"client_mode": True}}
+    peers = start_swarm(spawn, 3, per_peer=per_peer)
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 120) for peer in peers]
+    for k, (peer, res) in enumerate(zip(peers, results, strict=True)):
+        info = res["info"]
+        assert not info["complete"] and info["group_size"] == 1, info
+        assert all(torch.equal(a, b) for a, b in zip(peer.result(), make_grads(k, SHAPES), strict=True))
+
+
+@pytest.mark.swarm
 @pytest.mark.timeout(120)
 def test_peer_killed_mid_allreduce_never_yields_a_partial_mean(spawn):
     shapes = [[300, 500], [60000], [40, 1000]]  # 250k floats; 8 KiB parts: about 40 parts per reducer

@@ -114,7 +114,10 @@ class TrainingPeer:
             self.dht = start(True)
         print(mode.line, flush=True)
         if self.dht.client_mode:
-            print(f"peer {self.peer_id} runs as a client: others cannot dial it, so it has no address to hand out")
+            print(
+                f"peer {self.peer_id} runs as a client: others cannot dial it, so it has no address to hand out",
+                flush=True,
+            )
         else:
             reachability.serve(self.dht)
             print(f"peer {self.peer_id} reachable as: {initial_peers_line(visible_maddrs(self.dht))}", flush=True)

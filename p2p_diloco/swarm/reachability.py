@@ -106,19 +106,16 @@ def choose_mode(flag: bool | None, found: Reachability) -> Mode:
         port = found.ports[0] if found.ports else "N"
         tried = ", ".join(f"{found.observed}:{p}" for p in found.ports) or found.observed
         why = f"peer {_short(found.checked_by)} could not connect to {tried}"
+        fix = f"forward TCP port {port} to this machine and pass --announce-maddrs /ip4/<public IP>/tcp/{port}"
         if flag is False:
             return Mode(
                 False,
                 f"not reachable from outside ({why}), but --no-client-mode: running as a full peer; peers that cannot "
-                "dial this one will fail the rounds they share with it",
+                f"dial this one will fail the rounds they share with it ({fix})",
             )
-        return Mode(
-            True,
-            f"not reachable from outside ({why}): running as a client; forward TCP port {port} to this machine and "
-            f"pass --announce-maddrs /ip4/<public IP>/tcp/{port} to help the swarm",
-        )
+        return Mode(True, f"not reachable from outside ({why}): running as a client; {fix} to help the swarm")
     if flag is False:
-        return Mode(False, f"running as a full peer (--no-client-mode); reachability not checked: {found.detail}")
+        return Mode(False, f"running as a full peer (--no-client-mode); reachability unknown: {found.detail}")
     return Mode(
         False,
         f"reachability unknown ({found.detail}): running as a full peer; pass --client-mode if others cannot dial "
