@@ -33,9 +33,10 @@ Completeness (hivemind 1.1.12 returns success for a partly failed all-reduce). `
 ``tensor_part_container.failed_size == 0`` (a failed reducer's slice keeps LOCAL values, partition.py:128-136)
 and its own reducer got every part of every sender, nobody banned (``sender_failed_after`` all inf,
 ``num_parts_received`` full; a banned sender is silently left out of the rest of that slice, partition.py:248,
-invisible to other members). The verdicts are exchanged all-to-all by the unary RPC ``rpc_vote``: the attempt
-is complete only if every member's verdict is True; a member that is dead or silent until
-``allreduce_timeout`` counts as False. Residual risk: a member dying inside the vote (about 10 ms) after
+invisible to other members). Every member pushes its verdict by the unary RPC ``rpc_vote`` to every member that
+accepts calls (all of them, unless some run in client mode: below), which answers with its own: the attempt is
+complete only if every member's verdict is True; a member that is dead or silent until ``allreduce_timeout``
+counts as False. Residual risk: a member dying inside the vote (about 10 ms) after
 answering some peers only; the per-round checksum comparison of outer states is the backstop.
 ``ExactRunner`` (butterfly.py) is the all-reduce of one attempt: averaged parts bitwise equal on every member,
 stalled senders banned, payload bytes counted.
@@ -43,8 +44,11 @@ stalled senders banned, payload bytes counted.
 Client mode (the DHT's ``client_mode``, hivemind's ``AveragingMode.CLIENT``: a peer others cannot dial, behind
 NAT): it registers no RPC handler, never declares itself a leader and reduces nothing (its share of the vector is 0),
 but sends its Δ to the reducers and takes the averaged parts back over the streams it opened, so it contributes and
-ends bitwise equal to the group. Its vote goes to the group's nodes only, and each node answers with its view of
-every client's verdict (``_collect_votes``), so two clients that cannot reach each other still agree. It serves no
+ends bitwise equal to the group. Its vote goes to the group's nodes only, and each node answers with its group
+view: its own verdict combined with every client's (``_collect_votes``), so two clients that cannot reach each
+other still agree. A client thus trusts the nodes' views for the other clients' verdicts: in a group whose only
+node is hostile, that node could tell one client "all complete" while another client's result differed (the
+per-round checksum comparison of outer states is the backstop). It serves no
 state. With ``reachable_members`` at 0 (no live node in the run) ``reduce`` returns the local result at once, with
 ``NO_REACHABLE_MEMBER`` as the reason.
 
