@@ -205,8 +205,13 @@ def evaluate(
 class Worker:
     """A model replica, its inner optimizer and its copy of the outer state."""
 
-    def __init__(self, cfg: Config, vocab_size: int, batches: Iterator[torch.Tensor]) -> None:
+    def __init__(
+        self, cfg: Config, vocab_size: int, batches: Iterator[torch.Tensor], speed: float | None = None
+    ) -> None:
         self.cfg = cfg
+        # the simulator's clock: inner steps per simulated second (time-budgeted rounds take round_seconds x speed
+        # steps); None: the wall clock, as a swarm peer
+        self.speed = speed
         self.device = resolve_device(cfg.model)
         self.model = build_model(cfg.model, vocab_size, cfg.seed)
         self.batches_taken = 0
@@ -286,12 +291,22 @@ class Worker:
         ``inner.round_seconds`` > 0: steps until the round's end on the swarm's clock (``inner.round_end``: the
         next multiple of round_seconds in wall-clock time, which is hivemind's DHT time), at most H. A step's place
         in the schedule is the share of the round's time gone, (rounds done + share) x H: the same lr for every
-        peer at the same moment of the same round, whatever its speed."""
+        peer at the same moment of the same round, whatever its speed. A simulated worker (``speed``) takes
+        round_seconds x speed steps (at least 1, at most H) on the simulator's clock instead."""
         h, span = self.cfg.inner.steps, self.cfg.inner.round_seconds
         try:
             done = (self.state.round + self.in_flight) * h
             if span <= 0:
                 return self.inner.run(self.batches, h, done, self.autocast, self.device, on_step)
+            if self.speed is not None:  # simulated: step k ends at (k + 1) / speed seconds into the round
+                steps = min(h, max(1, math.floor(span * self.speed + 1e-9)))
+
+                def simulated(k: int) -> float:
+                    return done + h * min(1.0, (k + 1) / self.speed / span)
+
+                return self.inner.run(
+                    self.batches, steps, done, self.autocast, self.device, on_step, position=simulated
+                )
             self.round_ends_at = end = round_end(span, time.time(), self.round_ends_at)
 
             def position(k: int) -> float:

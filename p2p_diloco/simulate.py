@@ -3,6 +3,7 @@
 Usage:
     run_simulation --config configs/tiny.yaml --mode diloco --workers 4 --out runs/sim
     run_simulation --config configs/tiny.yaml --mode sync --workers 4 --out runs/sync --set inner.steps=50
+    run_simulation --config configs/tiny.yaml --workers 3 --speeds 1,1,0.33 --set inner.round_seconds=25 --out runs/t
 
 Modes (all see the same tokens: K shards x H steps x B x T per round):
     diloco  K workers, H inner steps each, in-process weighted mean of Δ, Nesterov outer step
@@ -16,8 +17,14 @@ weight each worker by ``robust.trusted_weight`` (0 when its wire weight is not t
 wire weight as is. ``--attack`` makes worker 0 hostile (diloco/fedavg only): ``negate`` sends -X x its Δ, ``weight``
 sends its Δ with wire weight X x its tokens while declaring its tokens (X = ``--attack-scale``).
 
+Speeds (diloco/fedavg): ``--speeds`` gives each worker's inner steps per simulated second (default 1 each). The
+simulator's clock: with fixed H a round takes H / (the slowest speed) seconds, every worker waiting for the slowest
+(synchronous rounds); with ``inner.round_seconds`` a round takes round_seconds and worker k takes round_seconds x
+speed_k steps (at least 1, at most inner.steps), its lr following the round's clock as a swarm peer's does
+(engine.Worker.train_inner). ``simulated_seconds`` in results.json is that clock, for comparisons at equal time.
+
 Inputs:  a config file + overrides; the data pipeline is built with data.num_shards = K.
-Output:  OUT/results.json (final_eval_loss, eval_loss_per_round, tokens_per_worker,
+Output:  OUT/results.json (final_eval_loss, eval_loss_per_round, tokens_per_worker, simulated_seconds,
          bytes_sent_per_worker (what the swarm would send, fp32 butterfly), wall_seconds, attack (kind, scale,
          worker), aggregation (rule, clip, counts of excluded and clipped worker-parts), ...),
          OUT/final_state/ (the final outer state, see checkpoint.py; sync/single: the model's params),
@@ -101,10 +108,16 @@ class _Local:
 
 
 def simulate(
-    cfg: Config, mode: str, workers: int, out: Path, attack: str = "none", attack_scale: float = 1000.0
+    cfg: Config,
+    mode: str,
+    workers: int,
+    out: Path,
+    attack: str = "none",
+    attack_scale: float = 1000.0,
+    speeds: list[float] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg.train.rounds`` rounds of ``mode`` with ``workers`` workers (worker 0 doing ``attack``); write OUT
-    files."""
+    """Run ``cfg.train.rounds`` rounds of ``mode`` with ``workers`` workers (worker 0 doing ``attack``, worker k
+    taking ``speeds[k]`` steps per simulated second); write OUT files."""
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r} is invalid: must be one of {', '.join(MODES)}")
     if attack not in ATTACKS:
@@ -115,6 +128,15 @@ def simulate(
         raise ConfigError(f"--attack-scale {attack_scale!r} is invalid: must be a finite number > 0")
     if workers < 1:
         raise ConfigError(f"--workers {workers} is invalid: must be >= 1")
+    if speeds is not None and (
+        len(speeds) != workers
+        or not all(math.isfinite(s) and s > 0 for s in speeds)
+        or mode not in ("diloco", "fedavg")
+    ):
+        raise ConfigError(
+            f"--speeds {','.join(map(str, speeds))} is invalid: needs --mode diloco or fedavg and one finite speed > 0 "
+            f"per worker ({workers})"
+        )
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_shards=workers, shard_index=None))
     if mode == "fedavg":  # FedAvg is DiLoCo with plain outer SGD at lr 1
         cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, lr=1.0, momentum=0.0, lr_warmup_rounds=0))
@@ -126,7 +148,7 @@ def simulate(
     write_run_metadata(out, cfg, mode=mode, workers=workers, shard_histograms=data.histograms())
 
     if mode in ("diloco", "fedavg"):
-        pool = [Worker(cfg, data.vocab_size, it) for it in shards]
+        pool = [Worker(cfg, data.vocab_size, it, speed=(speeds or [1.0] * workers)[k]) for k, it in enumerate(shards)]
         model = pool[0].model
     else:
         local = _Local(cfg, data.vocab_size, shards, mode)
@@ -138,7 +160,9 @@ def simulate(
 
     initial = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
     eval_per_round: dict[int, float] = {0: initial["all"]}
-    bytes_sent, tokens_per_worker = 0, 0
+    bytes_sent, tokens_per_worker, clock = 0, 0, 0.0
+    slowest = min(speeds or [1.0])
+    round_clock = cfg.inner.round_seconds if cfg.inner.round_seconds > 0 else cfg.inner.steps / slowest
     metrics = (out / "metrics.jsonl").open("w")
     log.info(
         "%s, %d workers, %d params, %d rounds, aggregation %s (clip %g), attack %s; initial eval loss %.4f",
@@ -159,6 +183,7 @@ def simulate(
         for r, result in enumerate(rounds, start=1):
             inner, evals = result.inner, result.eval_loss
             tokens_per_worker += inner.tokens // workers
+            clock += round_clock
             bytes_sent += result.reduce.bytes_sent
             if evals is not None:
                 eval_per_round[r] = evals["all"]
@@ -188,6 +213,8 @@ def simulate(
         "final_eval_loss_per_label": {k: v for k, v in final.items() if k != "all"},
         "eval_loss_per_round": {str(k): v for k, v in eval_per_round.items()},
         "tokens_per_worker": tokens_per_worker,
+        "speeds": speeds or [1.0] * workers,
+        "simulated_seconds": clock,
         "bytes_sent_per_worker": bytes_sent,
         "wall_seconds": time.perf_counter() - started,
         "final_checksum": pool[0].state.checksum(),
@@ -326,6 +353,16 @@ def _merge(stats: list[InnerStats]) -> InnerStats:
     return merged
 
 
+def _speeds(text: str | None) -> list[float] | None:
+    """``--speeds 1,1,0.33`` -> [1.0, 1.0, 0.33]; ConfigError naming the value when it is not a list of numbers."""
+    if text is None:
+        return None
+    try:
+        return [float(s) for s in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--speeds {text!r} is invalid: give one number per worker, e.g. 1,1,0.33") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="run_simulation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML preset, e.g. configs/tiny.yaml")
@@ -339,11 +376,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--attack-scale", type=float, default=1000.0, metavar="X", help="negate: sends -X x Δ; weight: X x tokens"
     )
+    parser.add_argument(
+        "--speeds",
+        default=None,
+        metavar="S1,S2,...",
+        help="inner steps per simulated second of each worker (module doc)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = load_config(args.config, args.overrides)
-        results = simulate(cfg, args.mode, args.workers, args.out, args.attack, args.attack_scale)
+        speeds = _speeds(args.speeds)
+        results = simulate(cfg, args.mode, args.workers, args.out, args.attack, args.attack_scale, speeds)
     except (ConfigError, DataError) as exc:
         print(f"run_simulation: {exc}", file=sys.stderr)
         return 2

@@ -206,6 +206,26 @@ def test_simulation_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     assert simulation_main(["--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert simulation_main(["--config", str(TINY), "--out", str(tmp_path), "--workers", "0"]) == 2
+    for speeds in ("1,x", "1,1,1", "1,-1"):  # not numbers, one too many for 2 workers, not > 0
+        assert (
+            simulation_main(["--config", str(TINY), "--out", str(tmp_path), "--workers", "2", "--speeds", speeds]) == 2
+        )
+        assert "--speeds" in capsys.readouterr().err
+
+
+def test_simulated_speeds_budget_steps_by_the_round_clock_and_fixed_h_waits_for_the_slowest(tmp_path):
+    """With inner.round_seconds each simulated worker takes round_seconds x its speed steps (its tokens weigh its
+    Δ); with fixed H every worker takes H steps and a round lasts as long as the slowest worker's H steps."""
+    sets = [*FAST, "train.rounds=2", "inner.steps=12"]
+    cfg = load_config(TINY, [*sets, "inner.round_seconds=6"])
+    budget = simulate(cfg, "diloco", 3, tmp_path / "b", speeds=[2.0, 1.0, 0.25])
+    records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    steps = [12, 6, 1]  # min(H, max(1, 6 x speed)): the fastest is capped at H
+    assert [r["tokens"] for r in records] == [sum(steps) * cfg.data.batch_size * cfg.data.seq_len] * 2
+    assert budget["simulated_seconds"] == 12.0 and budget["speeds"] == [2.0, 1.0, 0.25]
+    fixed = simulate(load_config(TINY, sets), "diloco", 3, tmp_path / "f", speeds=[2.0, 1.0, 0.25])
+    assert fixed["simulated_seconds"] == 2 * 12 / 0.25
+    assert fixed["tokens_per_worker"] > budget["tokens_per_worker"]
 
 
 def test_pretrained_model_loads_from_a_local_path(tmp_path):

@@ -198,7 +198,9 @@ def test_budgeted_rounds_end_together_for_peers_of_different_speeds(spawn, tmp_p
     fast, slow = (records(d) for d in dirs)
     assert [r["group_size"] for r in fast] == [r["group_size"] for r in slow] == [2, 2, 2, 2]
     fast_tokens, slow_tokens = sum(r["tokens"] for r in fast[1:]), sum(r["tokens"] for r in slow[1:])
-    print(f"tokens per round, fast: {[r['tokens'] for r in fast]}, slow: {[r['tokens'] for r in slow]}")
+    for label, recs in (("fast", fast), ("slow", slow)):
+        print(label, [(r["tokens"], round(r["compute_seconds"], 1), round(r["matchmaking_seconds"], 1),
+                       round(r["allreduce_seconds"], 1), round(r["time"] % 100, 1)) for r in recs])
     assert 0 < slow_tokens < 0.7 * fast_tokens, (slow_tokens, fast_tokens)  # same rounds, fewer steps
 
 
