@@ -21,7 +21,7 @@ from hivemind.dht import DHT
 from p2p_diloco.outer import OuterState
 from p2p_diloco.state_parts import PART_VALUES, part_count, part_digests, state_checksum
 from p2p_diloco.swarm.averager import PseudoGradAverager
-from p2p_diloco.swarm.download import download_state
+from p2p_diloco.swarm.download import MAX_FAILURES, download_state
 from p2p_diloco.swarm.protocol import RoundTag
 
 pytestmark = pytest.mark.timeout(180)
@@ -194,6 +194,21 @@ def test_a_donor_that_dies_mid_download_leaves_its_pieces_to_the_others(swarm, c
         assert any(d != dying.peer_id and (s2, e2) == (s, e) and ok for d, s2, e2, ok in asked.pieces)
     lines = [r.getMessage() for r in caplog.records]
     assert any(dying.peer_id[-8:] in line for line in lines), lines
+
+
+def test_a_lone_donor_whose_pieces_fail_now_and_then_still_serves_the_whole_state(swarm, caplog):
+    caplog.set_level(logging.WARNING, logger="p2p_diloco.sync")
+    lone = swarm["donors"][1]
+
+    def fail(k: int) -> None:
+        if k in (2, 4):  # call 1 is the manifest: two of its pieces fail (MAX_FAILURES - 1)
+            raise RuntimeError("stream cut short")
+
+    lone.on_call = fail
+    asked = _download(swarm, [lone])
+    assert [ok for *_, ok in asked.pieces].count(False) == MAX_FAILURES - 1, asked.pieces
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("asking again" in line for line in lines) == MAX_FAILURES - 1, lines
 
 
 def test_a_slow_donor_holds_up_only_its_own_pieces(swarm):

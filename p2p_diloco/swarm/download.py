@@ -7,12 +7,15 @@ Inputs:  the averager (``manifest(peer, timeout)`` and ``piece(peer, (round, che
 Output:  ``download_state(...) -> (OuterState, consensus) | None``: an outer state whose checksum is the tag's,
          and whether its donor says it came out of a complete group; None when no donor's manifest checks out, or
          the pieces could not all be had from the donors left, within the timeout (each refusal logged: donor, why).
-State:   per download: the donors dropped (a wrong manifest or a wrong, refused, failed or timed-out piece: not
-         asked again in this download), the pieces done, in flight and pending. The state is written once, into
+State:   per download: the donors dropped (a wrong manifest, a wrong piece, or MAX_FAILURES refused, failed or
+         timed-out pieces: not asked again in this download), each donor's failed pieces, the pieces done, in
+         flight and pending. The state is written once, into
          fresh tensors of our own shapes; no second copy.
 Failure: nothing a donor sends raises here. A manifest with another fingerprint, round or part count, or whose
          digests do not hash to the tag's checksum, drops its donor and the next holder's manifest is read. A piece
-         whose digests differ from the manifest's drops its donor and goes back to the pending pieces. When no piece
+         whose digests differ from the manifest's drops its donor at once; a piece that fails (refused, a broken or
+         cut-short stream, a timeout) drops it at its MAX_FAILURES-th failure. Either way the piece goes back to the
+         pending ones, for any donor still asked (a lone donor is asked again). When no piece
          is pending, an idle donor also fetches a piece already in flight elsewhere (at most two fetch one piece; the
          first that checks out is kept), so a slow donor holds up only its own pieces. Progress is logged every
          PROGRESS_SECONDS of a download.
@@ -55,6 +58,9 @@ MAX_DONORS = 8  # holders one download takes pieces from at once
 IN_FLIGHT = 2  # pieces asked of one donor at a time (the next one is on its way while one is served)
 PIECES_PER_DONOR = 4  # aim: at least this many pieces per donor, so the fast ones take more of the state
 MAX_PIECE_PARTS = 4  # at most 4 MiB a piece (the donor serves up to averager.MAX_PIECE_PARTS)
+# failed pieces (not wrong ones) that drop a donor: under load a stream is now and then cut short before its last
+# message (seen on 100 Mbit/s links with 8 pieces in flight at one donor), which must not end a lone donor's download
+MAX_FAILURES = 3
 PROGRESS_SECONDS = 5.0
 
 
@@ -99,6 +105,7 @@ class _Pieces:
         self.fetching: dict[int, set[str]] = {}
         self.done: set[int] = set()
         self.dropped: dict[str, str] = {}  # donor -> why it is not asked again
+        self.failures: dict[str, int] = {}  # donor -> its failed (not wrong) pieces so far
         self.bytes_done = 0
         self.cond = threading.Condition()
 
@@ -144,21 +151,29 @@ def download_state(
     return None
 
 
+@dataclass
+class _Refused:
+    """A piece not had from a donor: why, and whether its bytes were wrong (else it failed: refused, broken)."""
+
+    why: str
+    wrong: bool
+
+
 def _checked_piece(
     averager: Any, donor: str, manifest: Manifest, start: int, end: int, parts: int, deadline: float
-) -> torch.Tensor | str:
+) -> torch.Tensor | _Refused:
     """Values [start, end) from ``donor`` if they match the manifest's digests, else why not."""
     tag, left = manifest.tag, max(0.1, deadline - time.monotonic())
     try:
         got = averager.piece(donor, (tag.round, tag.checksum), start, end, left)
     except Exception as e:  # noqa: BLE001 - the averager's own failure is this donor's refused piece
-        return f"{type(e).__name__}: {e}"
+        return _Refused(f"{type(e).__name__}: {e}", wrong=False)
     if isinstance(got, str):
-        return got
+        return _Refused(got, wrong=False)
     first = start // PART_VALUES
     fits = isinstance(got, torch.Tensor) and got.dtype == torch.float32 and got.numel() == end - start
     if not fits or piece_digests(got) != manifest.digests[first : first + parts]:
-        return f"its piece of values {start}-{end} does not match the manifest"
+        return _Refused(f"its piece of values {start}-{end} does not match the manifest", wrong=True)
     return got
 
 
@@ -191,8 +206,14 @@ def _fetch_pieces(
                 pieces.fetching[piece].discard(donor)
                 if not pieces.fetching[piece]:
                     del pieces.fetching[piece]
-                if isinstance(got, str):
-                    pieces.dropped.setdefault(donor, got)
+                if isinstance(got, _Refused):
+                    failed = pieces.failures[donor] = pieces.failures.get(donor, 0) + (not got.wrong)
+                    if got.wrong or failed >= MAX_FAILURES:
+                        pieces.dropped.setdefault(
+                            donor, got.why if got.wrong else f"{failed} pieces failed, the last: {got.why}"
+                        )
+                    else:
+                        log.warning("a piece from peer %s failed (%s): asking again", donor[-8:], got.why)
                     if piece not in pieces.done and piece not in pieces.fetching:
                         pieces.pending.appendleft(piece)
                 elif piece not in pieces.done:
