@@ -150,7 +150,7 @@ class SwarmConfig:
     # A downloaded outer state is adopted only when this many distinct peers (or all there are, when fewer) vouch
     # for its (round, checksum) in their signed announcements (swarm/join.py), or it equals this peer's own.
     state_quorum: int = 2
-    max_state_downloads: int = 4  # state downloads one peer may make from us per minute (more are refused)
+    max_state_downloads: int = 4  # states' worth one peer may download from us per minute (a piece: its share)
     # Closed run: a file of allowed public keys (`run_peer --print-public-key`), one a line. Unlisted peers never
     # share a group with listed ones, get no state from them, and the monitor ignores their records. None: open.
     authorized_keys: str | None = None

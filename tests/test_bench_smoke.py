@@ -50,6 +50,7 @@ SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
         lambda d: ["--out", str(d / "compression_quality.json")],
         150,
     ),
+    "test_join_smoke": ("join.py", lambda d: ["--out", str(d / "join.json")], 120),
     "test_run_all_smoke_writes_into_its_results_dir": (
         "run_all.py",
         lambda d: ["--only", "inner", "--results", str(d / "results")],
@@ -165,6 +166,17 @@ def test_memory_smoke(smoke):
     assert data["problem"] == "" and data["rounds_done"] == 2, (data["problem"], data["rounds_done"])
     assert len(data["rows"]) == 4 and all(positive(r["value"]) and positive(r["ratio"]) for r in data["rows"])
     assert {"host (run_peer)", "p2pd", "averager process"} <= set(data["roles"]), data["roles"]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_join_smoke(smoke):
+    _, out = smoke("test_join_smoke")
+    data = load(out / "join.json", "join")
+    assert_rows_positive(data)
+    cases = [r["figure"].split(",")[1].strip() for r in data["rows"]]
+    assert cases == ["1 newcomer(s) at once", "2 newcomer(s) at once"], cases
+    assert sorted(data["join_seconds"]) == ["1x1", "1x2", "2x1", "2x2"], data["join_seconds"]
 
 
 @pytest.mark.timeout(240)
