@@ -20,6 +20,8 @@ if str(BENCH) not in sys.path:
 
 import netns  # noqa: E402
 
+from scripts.procs import Throttle  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def lab_ok():
@@ -203,3 +205,68 @@ def test_two_peers_behind_two_nats_train_with_a_reachable_one(lab_ok, tmp_path):
     assert set(ids) <= seen, (ids, seen)
     last = next(line["peers"] for line in reversed(rows) if ids[1] in line.get("peers", {}))
     print(f"monitor row of NAT'd peer 1: {last[ids[1]]}")
+
+
+# ------------------------------------------------------------------------------- time-budgeted rounds, two links
+
+BUDGET_ROUNDS = 4
+BUDGET_SETS = [
+    *(s for s in NAT_SETS if not s.startswith(("train.rounds=", "inner.steps=", "data.num_shards=", "swarm.start"))),
+    f"train.rounds={BUDGET_ROUNDS}",
+    "inner.steps=1000",  # the most a round may take: the round's clock ends it long before
+    "inner.round_seconds=5",
+    "data.num_shards=2",
+    "swarm.start_peers=2",
+]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_budgeted_rounds_on_links_of_different_rates(lab_ok, tmp_path):
+    """inner.round_seconds on real (shaped) links: a peer at 200 Mbit/s and one at 20 Mbit/s whose compute is also
+    3x slower (a volunteer with a slow link and a slow GPU; ``Throttle`` on its training process only) train until
+    the same round ends on the swarm's clock, average every round as a group of 2 and hold the same state after
+    each; the slow one takes fewer steps, so its Δ counts fewer tokens."""
+    with netns.Lab(homes=2, rate_mbit=[200, 20]) as lab:
+        env = netns.single_thread_env()
+        boot = lab.spawn(
+            lab.wan, [sys.executable, "-m", "peers.run_bootstrap", "--host-maddrs", f"/ip4/{lab.wan_ip}/tcp/0"], env
+        )
+        initial = boot.wait_for_line(r"^--initial-peers ", timeout=60).string.split()[1:]
+        dirs = [tmp_path / "fast", tmp_path / "slow"]
+        peers = []
+        for k, (home, d) in enumerate(zip(lab.homes, dirs, strict=True)):
+            args = [sys.executable, "-m", "peers.run_peer", "--config", str(TINY), "--log-dir", str(d)]
+            args += ["--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--initial-peers", *initial]
+            for s in [*BUDGET_SETS, f"data.shard_index={k}"]:
+                args += ["--set", s]
+            peers.append(lab.spawn(home.ns, args, env))
+        peers[1].wait_for_line(r"^joined at round 0", timeout=90)
+        with Throttle(peers[1].pid, slowdown=3):  # the training process only: its DHT/averager run freely
+            for p in peers:
+                rc = p.wait(timeout=120)
+                assert rc == 0, p.describe(60)
+        links = [lab.counters(k) for k in range(2)]
+        names = {lab.wan, *(h.ns for h in lab.homes)}
+    assert not names & _namespaces(), "the lab's namespaces outlived it"
+
+    fast, slow = (_jsonl(d / "metrics.jsonl") for d in dirs)
+    for label, rate, recs, link in (("fast", 200, fast, links[0]), ("slow", 20, slow, links[1])):
+        print(
+            f"{label} ({rate} Mbit/s, tx {link['tx_bytes'] / 1e6:.1f} MB): (round, tokens, compute_s, matchmaking_s,"
+            " allreduce_s) "
+            + " ".join(
+                f"({r['outer_step']}, {r['tokens']}, {r['compute_seconds']:.1f}, {r['matchmaking_seconds']:.1f},"
+                f" {r['allreduce_seconds']:.1f})"
+                for r in recs
+            )
+        )
+    rounds = list(range(1, BUDGET_ROUNDS + 1))
+    assert [r["outer_step"] for r in fast] == [r["outer_step"] for r in slow] == rounds, (fast, slow)
+    assert [r["group_size"] for r in fast] == [r["group_size"] for r in slow] == [2] * BUDGET_ROUNDS
+    assert [r["checksum"] for r in fast] == [r["checksum"] for r in slow]  # bitwise equal after every round
+    gaps = [abs(f["time"] - s["time"]) for f, s in zip(fast, slow, strict=True)]
+    fast_tokens, slow_tokens = sum(r["tokens"] for r in fast), sum(r["tokens"] for r in slow)
+    print(f"tokens: fast {fast_tokens}, slow {slow_tokens}; record time gaps (s): {[round(g, 2) for g in gaps]}")
+    assert max(gaps) < 5, gaps  # the same rounds at the same time: nobody a round behind
+    assert 0 < slow_tokens < 0.7 * fast_tokens, (slow_tokens, fast_tokens)  # same rounds, fewer steps
