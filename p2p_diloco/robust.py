@@ -15,6 +15,12 @@ Output:  the aggregated part (fp32, same shape, a new tensor). Rules:
                             costs only its own tokens instead of a clipped pull against the honest direction.
          ``median_clip``    each sender's part is scaled down to at most ``clip`` x the median of the included senders'
                             part norms, then the weighted mean (unclipped senders: bitwise the ``mean`` arithmetic).
+                            Senders of unequal weight (time-budgeted rounds: a faster peer trains more tokens, and its
+                            Δ is longer) are compared per token: sender i's bound is ``clip`` x the median of the
+                            senders' norm / weight, times w_i. Equal weights take the plain median of norms (the same
+                            bound, without the rounding). Per token errs toward the light senders: a Δ grows at most
+                            about linearly with steps, so a short run's norm per token is if anything higher, and
+                            dropping a light sender costs little; a per-norm bound dropped the heavy one of a pair.
          ``centered_clip``  CenteredClip (Karimireddy et al. 2021; hivemind's CenteredClipAccumulator, BTARD):
                             v0 = the coordinate-wise median of the included parts, τ = ``clip`` x the median of
                             ||x_i − v0||, then ``CENTERED_CLIP_ITERS`` fixed iterations
@@ -113,6 +119,17 @@ def _lower_median(values: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def _bounds(norms: list[float], weights: list[float], clip: float) -> tuple[list[float], float, list[float]]:
+    """(the values the median is taken over, that median, each sender's norm bound): plain norms when the weights
+    are equal, else norms per unit of weight, each bound scaled back by its sender's weight (module doc)."""
+    if len(set(weights)) == 1:
+        median = _lower_median(norms)
+        return norms, median, [clip * median] * len(norms)
+    per_weight = [n / w for n, w in zip(norms, weights, strict=True)]
+    median = _lower_median(per_weight)
+    return per_weight, median, [clip * median * w for w in weights]
+
+
 def _norm(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x, dtype=torch.float64))
 
@@ -196,11 +213,10 @@ def aggregate(
         return _mean(kept, kept_w, total, [1.0] * len(kept))
     if rule == "median_filter":
         norms = [_norm(x) for x in kept]
-        median = _lower_median(norms)
-        bound = clip * median
-        inside = [k for k, n in enumerate(norms) if n <= bound]  # clip >= 1: never empty (the median is inside)
+        seen, median, bounds = _bounds(norms, kept_w, clip)
+        inside = [k for k, (n, b) in enumerate(zip(norms, bounds, strict=True)) if n <= b]  # clip >= 1: never empty
         if stats is not None:
-            stats.saw(norms, median)
+            stats.saw(seen, median)
             stats.excluded_outlier += len(kept) - len(inside)
             stats.empty_parts += not inside
         if not inside:
@@ -209,11 +225,10 @@ def aggregate(
         return _mean(kept, kept_w, float(sum(kept_w)), [1.0] * len(kept))
     if rule == "median_clip":
         norms = [_norm(x) for x in kept]
-        median = _lower_median(norms)
-        bound = clip * median
-        scales = [1.0 if n <= bound else bound / n for n in norms]
+        seen, median, bounds = _bounds(norms, kept_w, clip)
+        scales = [1.0 if n <= b else b / n for n, b in zip(norms, bounds, strict=True)]
         if stats is not None:
-            stats.saw(norms, median)
+            stats.saw(seen, median)
             stats.clipped += sum(s < 1.0 for s in scales)
         return _mean(kept, kept_w, total, scales)
     return _centered_clip(kept, kept_w, total, clip, stats)

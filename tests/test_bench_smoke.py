@@ -51,6 +51,7 @@ SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
         150,
     ),
     "test_join_smoke": ("join.py", lambda d: ["--out", str(d / "join.json")], 120),
+    "test_stragglers_smoke": ("stragglers.py", lambda d: ["--out", str(d / "stragglers.json")], 360),
     "test_run_all_smoke_writes_into_its_results_dir": (
         "run_all.py",
         lambda d: ["--only", "inner", "--results", str(d / "results")],
@@ -177,6 +178,16 @@ def test_join_smoke(smoke):
     cases = [r["figure"].split(",")[1].strip() for r in data["rows"]]
     assert cases == ["1 newcomer(s) at once", "2 newcomer(s) at once"], cases
     assert sorted(data["join_seconds"]) == ["1x1", "1x2", "2x1", "2x2"], data["join_seconds"]
+
+
+@pytest.mark.timeout(400)
+def test_stragglers_smoke(smoke):
+    _, out = smoke("test_stragglers_smoke")
+    data = load(out / "stragglers.json", "stragglers")
+    assert_rows_positive(data)
+    assert [c["slow_peer"] for c in data["cases"]] == [False, True, False, True], data["cases"]
+    for case in data["cases"]:  # every peer of every swarm trained and recorded rounds
+        assert case["problem"] == "" and all(p["rounds_recorded"] > 0 for p in case["per_peer"]), case
 
 
 @pytest.mark.timeout(240)

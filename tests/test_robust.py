@@ -136,11 +136,11 @@ def test_robust_rules_leave_a_clean_group_near_the_mean(rule):
 @pytest.mark.parametrize("rule", RULES)
 def test_aggregate_flat_round_trip_and_two_senders(rule):
     vectors = _senders(2)
-    assert [t.shape for t in aggregate_flat(vectors, [10.0, 30.0], rule, 2.0, 4)] == [torch.Size(s) for s in SHAPES]
-    got = aggregate_flat(vectors, [10.0, 30.0], rule, 2.0, 1000)
+    assert [t.shape for t in aggregate_flat(vectors, [10.0, 15.0], rule, 2.0, 4)] == [torch.Size(s) for s in SHAPES]
+    got = aggregate_flat(vectors, [10.0, 15.0], rule, 2.0, 1000)
     # two senders of unequal weight: v0 is their midpoint (a count median), so neither is dropped, and with clip 2
-    # neither is clipped: the weighted mean
-    assert all(torch.allclose(a, (x + 3 * y) / 4, atol=1e-5) for a, x, y in zip(got, *vectors))
+    # neither is clipped (norms per token within 1.5x): the weighted mean
+    assert all(torch.allclose(a, (2 * x + 3 * y) / 5, atol=1e-5) for a, x, y in zip(got, *vectors))
     assert sum(t.numel() for t in got) == sum(math.prod(s) for s in SHAPES)
 
 
@@ -177,3 +177,19 @@ def test_stats_record_the_headroom_of_a_clean_group():
     assert 1.0 <= stats.max_ratio < 1.2 and stats.excluded_outlier == 0
     with pytest.raises(ConfigError, match=">= 1 for median_filter"):
         load_config("configs/tiny.yaml", ["swarm.aggregation=median_filter", "swarm.aggregation_clip=0.5"])
+
+
+@pytest.mark.parametrize("rule", ["median_filter", "median_clip"])
+def test_senders_of_unequal_tokens_are_bounded_per_token_so_the_longer_delta_of_more_steps_counts(rule):
+    """Time-budgeted rounds: a fast peer trained 6x the tokens of a slow one and its Δ is 4x longer. Bounded by the
+    plain norms, the pair's lower median (the slow one's) would drop or shrink the fast one; per token both are in."""
+    direction = torch.linspace(-1.0, 1.0, 64)
+    slow, fast = direction.clone(), 4.0 * direction + 0.01
+    got = aggregate([slow, fast], [1.0, 6.0], rule, 2.0)
+    assert torch.allclose(got, (slow + 6.0 * fast) / 7.0, atol=1e-6)
+    # a sender far over its share stays bounded: 50x the Δ for 6x the tokens counts at most clip x 6 = 12x (per
+    # token: clip x the median of 1 and 50 / 6), dropped (median_filter) or scaled down to it (median_clip)
+    stats = AggregateStats()
+    hostile = aggregate([slow, 50.0 * direction], [1.0, 6.0], rule, 2.0, stats)
+    assert float(hostile.norm()) <= (1.0 + 6.0 * 12.0) / 7.0 * float(direction.norm()) * (1 + 1e-6)
+    assert stats.excluded_outlier or stats.clipped

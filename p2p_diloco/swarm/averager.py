@@ -688,14 +688,7 @@ class PseudoGradAverager(DecentralizedAverager):
         return metadata[_STATE_KEY], tensors
 
     async def _download(self, peer_id: str, timeout: float, future: MPFuture, **limits: int) -> None:
-        try:
-            result: Any = await asyncio.wait_for(self._fetch_state(PeerID.from_base58(peer_id), **limits), timeout)
-        except asyncio.TimeoutError:
-            result = f"no complete state within {timeout:g}s"
-        except Exception as e:  # noqa: BLE001 - whatever the donor did, it is a refused offer
-            result = f"{type(e).__name__}: {e}"
-        if not future.done():
-            future.set_result(result)
+        await self._settle(future, self._fetch_state(PeerID.from_base58(peer_id), **limits), timeout, "state")
 
     async def _fetch_state(self, peer: PeerID, max_tensors: int, max_bytes: int) -> tuple[Any, list[torch.Tensor]]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)

@@ -18,7 +18,8 @@ What differs from the stock runner:
 - the reducer keeps every sender's part and reduces them together (``robust.aggregate``: a mean whose senders
   are clipped, configured by ``swarm.aggregation``), each with the weight its gather payload declared, if the
   wire weight matches it and one round can hold it, else 0 (stock: the wire weight, whatever it is);
-- an averaged slice longer than ``2 x aggregation_clip`` x this member's own part of it marks its reducer a liar
+- an averaged slice longer than ``2 x aggregation_clip`` x this member's own part of it (times the heaviest
+  sender's tokens over ours, when they differ) marks its reducer a liar
   (``lying_reducers``): robust rules never average parts longer than clip x the median, so an honest reducer's
   slice stays within that bound (the averager fails the attempt and stops grouping with it);
 - payload bytes are counted where messages meet the transport, both as caller (``_get_peer_stub``: our parts
@@ -213,8 +214,17 @@ class ExactRunner(AllReduceRunner):
         # non-IID shards one part (an embedding block our shard barely touched, a small tensor) can average to 6.7x
         # our own part (tiny, H=50, 4 shards) while whole slices stayed within 0.88x our own slice; a per-part
         # bound banned honest reducers. Over 2 x clip x our slice's norm, the slice is a lie ("mean" accepts
-        # anything: no bound).
-        self.max_ratio = None if aggregation.rule == "mean" else 2.0 * aggregation.clip
+        # anything: no bound). Senders of unequal tokens (time-budgeted rounds) are bounded per token (robust.py): a
+        # sender with w times our tokens may send up to w x our norm, so the bound grows by the heaviest sender's
+        # tokens over ours (measured: a 3x slower peer with 6x fewer tokens banned an honest reducer under the plain
+        # bound). Without our own declared tokens (our Δ does not count) nothing is judged.
+        declared = [t for t in aggregation.declared if t]
+        senders = list(self.sender_peer_ids)
+        mine = aggregation.declared[senders.index(self.peer_id)] if self.peer_id in senders else None
+        if aggregation.rule == "mean" or not mine:
+            self.max_ratio = None
+        else:
+            self.max_ratio = 2.0 * aggregation.clip * max(1.0, max(declared) / mine)
         self.part_shapes_by_peer = [[part.shape for part, _ in parts] for parts in container._input_parts_by_peer]
         own_parts = [[float(part.norm()) ** 2 for part, _ in parts] for parts in container._input_parts_by_peer]
         self.own_slice_norms = [math.sqrt(sum(parts)) for parts in own_parts]

@@ -3,7 +3,7 @@
 Usage:
     python scripts/bench/stragglers.py                        # tiny, 3 peers, one 3x slower, 150 s per swarm
     python scripts/bench/stragglers.py --seconds 120 --slowdown 3 --round-seconds 3
-    python scripts/bench/stragglers.py --smoke [--out DIR/stragglers.json]   # 2 peers, 25 s per swarm
+    python scripts/bench/stragglers.py --smoke [--out DIR/stragglers.json]   # 2 peers, 12 s per swarm
 
 Four swarms, one after the other, each of ``--peers`` real ``run_peer`` processes on 127.0.0.1 (tiny preset, one
 data shard each, the preset's swarm settings; inner.schedule constant so a run stopped by the clock is not
@@ -49,7 +49,7 @@ from scripts.procs import Throttle  # noqa: E402
 
 TINY = "configs/tiny.yaml"
 DEFAULTS = {"peers": 3, "seconds": 150.0, "slowdown": 3.0, "h": 25, "round_seconds": 3.0}
-SMOKE = {"peers": 2, "seconds": 25.0, "slowdown": 3.0, "h": 5, "round_seconds": 2.0}
+SMOKE = {"peers": 2, "seconds": 12.0, "slowdown": 3.0, "h": 5, "round_seconds": 2.0}
 COUNTED = ("apply", "catch_up")
 
 
