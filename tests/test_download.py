@@ -21,7 +21,7 @@ from hivemind.dht import DHT
 from p2p_diloco.outer import OuterState
 from p2p_diloco.state_parts import PART_VALUES, part_count, part_digests, state_checksum
 from p2p_diloco.swarm.averager import PseudoGradAverager
-from p2p_diloco.swarm.download import MAX_FAILURES, download_state
+from p2p_diloco.swarm.download import MAX_FAILURES, download_state, read_manifest
 from p2p_diloco.swarm.protocol import RoundTag
 
 pytestmark = pytest.mark.timeout(180)
@@ -237,3 +237,15 @@ def test_donors_refuse_another_state_unaligned_ranges_and_downloads_over_budget(
     pieces = [newcomer.piece(donor.peer_id, tag, k * PART_VALUES, (k + 1) * PART_VALUES, 10.0) for k in range(5)]
     assert [isinstance(p, torch.Tensor) for p in pieces] == [True] * 3 + [False] * 2, pieces
     assert torch.equal(pieces[0], swarm["state"].anchor[0].reshape(-1)[:PART_VALUES])
+
+
+def test_a_refused_manifest_says_why_not_that_the_donor_has_other_settings():
+    """A donor that sent no manifest (refused us, serves none, timed out) is refused for that reason; only a manifest
+    with another fingerprint reads as other settings (a refused one once did, which misled)."""
+    tag, values = RoundTag(3, "00" * 8), 10
+    why = "the peer sent no manifest (it serves none, or refused us)"
+    assert read_manifest("donor", why, tag, "fp", values) == why
+    assert read_manifest("donor", None, tag, "fp", values) == "it sent no manifest"
+    assert read_manifest("donor", {"fingerprint": "other", "round": 3}, tag, "fp", values) == (
+        "it comes from a peer with other settings"
+    )

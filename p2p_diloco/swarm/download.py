@@ -76,8 +76,12 @@ class Manifest:
 
 def read_manifest(donor: str, meta: Any, tag: RoundTag, fingerprint: str, values: int) -> Manifest | str:
     """The manifest in ``meta`` if it is ``tag``'s for a state of ``values`` values with our fingerprint, else why
-    not (a line)."""
-    if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint:
+    not (a line; ``meta`` may already be one: why the donor sent none)."""
+    if isinstance(meta, str):
+        return meta
+    if not isinstance(meta, dict):
+        return "it sent no manifest"
+    if meta.get("fingerprint") != fingerprint:
         return "it comes from a peer with other settings"
     rnd = meta.get("round")
     if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd != tag.round:
