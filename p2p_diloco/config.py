@@ -72,7 +72,9 @@ class DataConfig:
 
 @dataclass
 class InnerConfig:
-    steps: int = 25  # H: inner steps per round (with round_seconds: the most a round may take)
+    # H: inner steps per round. With round_seconds: the most a round may take (set it a little above what the
+    # fastest peer takes), and still the unit of warmup_steps and the schedule (a round counts as H steps of it)
+    steps: int = 25
     # > 0: time-budgeted rounds. Every peer trains until the round's end on the swarm's clock (the next multiple
     # of round_seconds in DHT time, the same instant on every peer), then averages: a faster peer takes more
     # steps and weighs more (tokens), a slower one fewer, and nobody waits for anybody. 0: H steps per round.

@@ -1,15 +1,17 @@
 """Item 9: a swarm with one slow peer, fixed H against time-budgeted rounds (inner.round_seconds), at equal wall time.
 
 Usage:
-    python scripts/bench/stragglers.py                        # tiny, 3 peers, one 3x slower, 150 s per swarm
-    python scripts/bench/stragglers.py --seconds 120 --slowdown 3 --round-seconds 3
+    python scripts/bench/stragglers.py                        # tiny, 3 peers, one 3x slower, 120 s per swarm
+    python scripts/bench/stragglers.py --seconds 120 --slowdown 3 --round-seconds 1.5 --max-steps 40
     python scripts/bench/stragglers.py --smoke [--out DIR/stragglers.json]   # 2 peers, 12 s per swarm
 
 Four swarms, one after the other, each of ``--peers`` real ``run_peer`` processes on 127.0.0.1 (tiny preset, one
 data shard each, the preset's swarm settings; inner.schedule constant so a run stopped by the clock is not
 compared at different points of a cosine): all peers equal or the last one ``--slowdown`` times slower (stopped
 for 1 - 1/slowdown of every 0.1 s, scripts.procs.Throttle, as on a slower GPU), with fixed H (``--h`` steps a
-round) or with ``inner.round_seconds`` (at most 1000 steps a round, so the clock decides). Each swarm trains for
+round) or with ``inner.round_seconds`` (``--max-steps`` as inner.steps: the cap, above what the fast peers take in a
+round, and the unit of the lr warmup, as a user would set it; 1.5 s on this machine is about the 25 steps of fixed H
+plus the exchange). Each swarm trains for
 ``--seconds`` from the moment its last peer has joined; then every peer is stopped (SIGINT: it checkpoints and
 exits) and the first (fast) peer's outer state is evaluated on the preset's eval set. Per peer, from its
 metrics.jsonl and stderr:
@@ -48,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.procs import Throttle  # noqa: E402
 
 TINY = "configs/tiny.yaml"
-DEFAULTS = {"peers": 3, "seconds": 150.0, "slowdown": 3.0, "h": 25, "round_seconds": 3.0}
-SMOKE = {"peers": 2, "seconds": 12.0, "slowdown": 3.0, "h": 5, "round_seconds": 2.0}
+DEFAULTS = {"peers": 3, "seconds": 120.0, "slowdown": 3.0, "h": 25, "round_seconds": 1.5, "max_steps": 40}
+SMOKE = {"peers": 2, "seconds": 12.0, "slowdown": 3.0, "h": 5, "round_seconds": 2.0, "max_steps": 40}
 COUNTED = ("apply", "catch_up")
 
 
@@ -144,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="training seconds per swarm (150)")
     p.add_argument("--slowdown", type=float, default=None, help="how many times slower the slow peer is (3)")
     p.add_argument("--h", type=int, default=None, help="inner steps per round with fixed H (25, the preset's)")
-    p.add_argument("--round-seconds", type=float, default=None, help="inner.round_seconds of the budgeted runs (3)")
+    p.add_argument("--round-seconds", type=float, default=None, help="inner.round_seconds of the budgeted runs (1.5)")
+    p.add_argument("--max-steps", type=int, default=None, help="inner.steps of the budgeted runs: the cap (40)")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/stragglers.json)")
     p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
     args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
     exit_on_sigterm()
     rec = Recorder("stragglers", vars(args), smoke=args.smoke)
-    budget = [f"inner.round_seconds={args.round_seconds}", "inner.steps=1000"]
+    budget = [f"inner.round_seconds={args.round_seconds}", f"inner.steps={args.max_steps}"]
     plan = [
         ("fixed H, equal peers", [], False),
         (f"fixed H, one peer {args.slowdown:g}x slower", [], True),
