@@ -35,7 +35,7 @@ def test_an_unlisted_peer_never_joins_a_closed_run(spawn, tmp_path):
     said = "\n".join(stranger.stderr_lines)
     print("what the unlisted peer sees:\n" + "\n".join(stranger.stderr_lines[-4:]))
     assert rc == 2, stranger.describe()
-    assert "the peer sent no state" in said and "--print-public-key" in said, said
+    assert "the peer sent no manifest" in said and "--print-public-key" in said, said
     assert "Traceback" not in said
     assert not records(tmp_path / "peer2")  # it never trained a round
     by_step = checksums_by_step([tmp_path / "peer0", tmp_path / "peer1"])
