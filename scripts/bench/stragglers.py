@@ -28,6 +28,7 @@ process group is killed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import signal
 import sys
@@ -107,14 +108,8 @@ def run_case(name: str, sets: list[str], slow: bool, args: argparse.Namespace, w
         for p in procs:
             p.wait_for_line(r"^joined at round", timeout=180)
         started = time.monotonic()
-        throttle = Throttle(procs[-1].pid, args.slowdown) if slow else None
-        if throttle is not None:
-            throttle.__enter__()
-        try:
+        with Throttle(procs[-1].pid, args.slowdown) if slow else contextlib.nullcontext():
             time.sleep(args.seconds)
-        finally:
-            if throttle is not None:
-                throttle.__exit__(None, None, None)
         seconds = time.monotonic() - started
         for p in procs:
             p.popen.send_signal(signal.SIGINT)
@@ -143,7 +138,7 @@ def run_case(name: str, sets: list[str], slow: bool, args: argparse.Namespace, w
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--peers", type=int, default=None, help="run_peer processes per swarm (3)")
-    p.add_argument("--seconds", type=float, default=None, help="training seconds per swarm (150)")
+    p.add_argument("--seconds", type=float, default=None, help="training seconds per swarm (120)")
     p.add_argument("--slowdown", type=float, default=None, help="how many times slower the slow peer is (3)")
     p.add_argument("--h", type=int, default=None, help="inner steps per round with fixed H (25, the preset's)")
     p.add_argument("--round-seconds", type=float, default=None, help="inner.round_seconds of the budgeted runs (1.5)")
