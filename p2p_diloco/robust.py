@@ -176,8 +176,12 @@ def aggregate(
     rule: str,
     clip: float,
     stats: AggregateStats | None = None,
+    factors: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """The robust weighted mean of one part from each sender (module doc); fp32, same shape, a new tensor."""
+    """The robust weighted mean of one part from each sender (module doc); fp32, same shape, a new tensor.
+
+    ``factors`` (default all 1): what each sender's weight is multiplied by in the mean, not in the bounds: a
+    delayed Δ (protocol.RoundRules.stale_weight) is judged per declared token like any other and counts less."""
     if rule not in RULES:
         raise ValueError(f"aggregation rule {rule!r} is unknown: must be one of {', '.join(RULES)}")
     if rule != "mean" and not (clip > 0 and math.isfinite(clip)):
@@ -187,9 +191,12 @@ def aggregate(
     shape = parts[0].shape
     if any(p.shape != shape for p in parts):
         raise ValueError(f"parts differ in shape: {sorted({tuple(p.shape) for p in parts})}")
+    if factors is not None and (len(factors) != len(parts) or not all(0 < f <= 1 for f in factors)):
+        raise ValueError(f"need one factor in (0, 1] per part, got {list(factors)}")
     kept: list[torch.Tensor] = []
     kept_w: list[float] = []
-    for x, w in zip(parts, weights, strict=True):
+    kept_f: list[float] = []
+    for x, w, f in zip(parts, weights, factors or [1.0] * len(parts), strict=True):
         w = float(w)
         if not (w > 0 and math.isfinite(w)):
             if stats is not None:
@@ -202,15 +209,17 @@ def aggregate(
             continue
         kept.append(x)
         kept_w.append(w)
+        kept_f.append(float(f))
     if stats is not None:
         stats.parts += 1
     if not kept:
         if stats is not None:
             stats.empty_parts += 1
         return torch.zeros(shape, dtype=torch.float32)
-    total = float(sum(kept_w))
+    mean_w = kept_w if factors is None else [w * f for w, f in zip(kept_w, kept_f, strict=True)]
+    total = float(sum(mean_w))
     if rule == "mean":
-        return _mean(kept, kept_w, total, [1.0] * len(kept))
+        return _mean(kept, mean_w, total, [1.0] * len(kept))
     if rule == "median_filter":
         norms = [_norm(x) for x in kept]
         seen, median, bounds = _bounds(norms, kept_w, clip)
@@ -221,8 +230,8 @@ def aggregate(
             stats.empty_parts += not inside
         if not inside:
             return torch.zeros(shape, dtype=torch.float32)
-        kept, kept_w = [kept[k] for k in inside], [kept_w[k] for k in inside]
-        return _mean(kept, kept_w, float(sum(kept_w)), [1.0] * len(kept))
+        kept, mean_w = [kept[k] for k in inside], [mean_w[k] for k in inside]
+        return _mean(kept, mean_w, float(sum(mean_w)), [1.0] * len(kept))
     if rule == "median_clip":
         norms = [_norm(x) for x in kept]
         seen, median, bounds = _bounds(norms, kept_w, clip)
@@ -230,8 +239,8 @@ def aggregate(
         if stats is not None:
             stats.saw(seen, median)
             stats.clipped += sum(s < 1.0 for s in scales)
-        return _mean(kept, kept_w, total, scales)
-    return _centered_clip(kept, kept_w, total, clip, stats)
+        return _mean(kept, mean_w, total, scales)
+    return _centered_clip(kept, mean_w, total, clip, stats)
 
 
 def aggregate_flat(
@@ -241,6 +250,7 @@ def aggregate_flat(
     clip: float,
     part_values: int,
     stats: AggregateStats | None = None,
+    factors: Sequence[float] | None = None,
 ) -> list[torch.Tensor]:
     """Each sender's tensors flattened and concatenated, cut into consecutive parts of ``part_values`` values,
     ``aggregate`` per part, reshaped back to the first sender's shapes (fp32). The simulator's stand-in for the
@@ -260,5 +270,5 @@ def aggregate_flat(
     out = torch.empty(total, dtype=torch.float32)
     for start in range(0, total, part_values):
         end = min(start + part_values, total)
-        out[start:end] = aggregate([f[start:end] for f in flats], weights, rule, clip, stats)
+        out[start:end] = aggregate([f[start:end] for f in flats], weights, rule, clip, stats, factors)
     return [piece.view(shape) for piece, shape in zip(out.split([math.prod(s) for s in shapes]), shapes, strict=True)]

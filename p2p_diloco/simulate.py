@@ -18,10 +18,17 @@ wire weight as is. ``--attack`` makes worker 0 hostile (diloco/fedavg only): ``n
 sends its Δ with wire weight X x its tokens while declaring its tokens (X = ``--attack-scale``).
 
 Speeds (diloco/fedavg): ``--speeds`` gives each worker's inner steps per simulated second (default 1 each). The
-simulator's clock: with fixed H a round takes H / (the slowest speed) seconds, every worker waiting for the slowest
-(synchronous rounds); with ``inner.round_seconds`` a round takes round_seconds and worker k takes round_seconds x
+simulator's clock: with ``inner.round_seconds`` a round takes round_seconds and worker k takes round_seconds x
 speed_k steps (at least 1, at most inner.steps), its lr following the round's clock as a swarm peer's does
-(engine.Worker.train_inner). ``simulated_seconds`` in results.json is that clock, for comparisons at equal time.
+(engine.Worker.train_inner). With fixed H and equal speeds a round takes H / speed seconds. With fixed H and
+unequal speeds nobody waits for a slower worker, as no swarm peer does (join.Membership.expected_members): worker k
+is ready H / speed_k seconds after it started its round; a group forms as soon as two workers are ready, with every
+worker ready at that moment (a worker ready alone waits for the next one, as a peer does: ``wait_for_group``); each
+member's Δ counts as ``protocol.decide`` says (a straggler up to ``swarm.max_staleness`` rounds behind the group at
+``RoundRules.stale_weight`` of its tokens, then catches up; further behind it resyncs, its round lost), and every
+member starts its next round from the group's new state; the others keep training. ``simulated_seconds`` in
+results.json is that clock, for comparisons at equal time; ``contributed_tokens_per_worker`` and
+``lost_rounds_per_worker`` say whose work counted.
 
 Inputs:  a config file + overrides; the data pipeline is built with data.num_shards = K.
 Output:  OUT/results.json (final_eval_loss, eval_loss_per_round, tokens_per_worker, simulated_seconds,
@@ -57,7 +64,7 @@ from p2p_diloco.engine import Contribution, ReduceInfo, RoundResult, Worker, eva
 from p2p_diloco.inner import InnerStats, NonFiniteLossError
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
 from p2p_diloco.robust import AggregateStats, aggregate_flat, max_round_tokens, trusted_weight
-from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules
+from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag
 
 __all__ = ["ATTACKS", "MODES", "simulate", "main"]
 
@@ -137,6 +144,12 @@ def simulate(
             f"--speeds {','.join(map(str, speeds))} is invalid: needs --mode diloco or fedavg and one finite speed > 0 "
             f"per worker ({workers})"
         )
+    uneven = speeds is not None and len(set(speeds)) > 1 and cfg.inner.round_seconds <= 0
+    if uneven and (attack != "none" or cfg.swarm.overlap != "none"):
+        raise ConfigError(
+            "--speeds of different workers with fixed H (inner.round_seconds 0) are simulated without --attack and "
+            "with swarm.overlap none only"
+        )
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_shards=workers, shard_index=None))
     if mode == "fedavg":  # FedAvg is DiLoCo with plain outer SGD at lr 1
         cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, lr=1.0, momentum=0.0, lr_warmup_rounds=0))
@@ -161,8 +174,8 @@ def simulate(
     initial = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
     eval_per_round: dict[int, float] = {0: initial["all"]}
     bytes_sent, tokens_per_worker, clock = 0, 0, 0.0
-    slowest = min(speeds or [1.0])
-    round_clock = cfg.inner.round_seconds if cfg.inner.round_seconds > 0 else cfg.inner.steps / slowest
+    contributed, lost = [0] * len(pool), [0] * len(pool)
+    round_clock = cfg.inner.round_seconds if cfg.inner.round_seconds > 0 else cfg.inner.steps / min(speeds or [1.0])
     metrics = (out / "metrics.jsonl").open("w")
     log.info(
         "%s, %d workers, %d params, %d rounds, aggregation %s (clip %g), attack %s; initial eval loss %.4f",
@@ -176,14 +189,18 @@ def simulate(
         initial["all"],
     )
     try:
-        if mode in ("diloco", "fedavg"):
-            rounds = _diloco_rounds(pool, rules, eval_sets, hostile, agg_stats)
+        if uneven:
+            rounds = _straggler_rounds(pool, rules, eval_sets, agg_stats, contributed, lost)
         else:
-            rounds = _local_rounds(local, pool[0], eval_sets, fp32_bytes_sent(num_params, workers))
-        for r, result in enumerate(rounds, start=1):
+            if mode in ("diloco", "fedavg"):
+                synchronous = _diloco_rounds(pool, rules, eval_sets, hostile, agg_stats)
+            else:
+                synchronous = _local_rounds(local, pool[0], eval_sets, fp32_bytes_sent(num_params, workers))
+            rounds = ((result, round_clock) for result in synchronous)
+        for r, (result, seconds) in enumerate(rounds, start=1):
             inner, evals = result.inner, result.eval_loss
             tokens_per_worker += inner.tokens // workers
-            clock += round_clock
+            clock += seconds
             bytes_sent += result.reduce.bytes_sent
             if evals is not None:
                 eval_per_round[r] = evals["all"]
@@ -215,6 +232,8 @@ def simulate(
         "tokens_per_worker": tokens_per_worker,
         "speeds": speeds or [1.0] * workers,
         "simulated_seconds": clock,
+        "contributed_tokens_per_worker": contributed if uneven else None,
+        "lost_rounds_per_worker": lost if uneven else None,
         "bytes_sent_per_worker": bytes_sent,
         "wall_seconds": time.perf_counter() - started,
         "final_checksum": pool[0].state.checksum(),
@@ -252,20 +271,31 @@ class _Attack:
         return deltas, wire
 
 
-def _aggregate(cfg: Config, mine: list[Contribution], attack: _Attack, stats: AggregateStats) -> list[torch.Tensor]:
+def _aggregate(
+    cfg: Config,
+    mine: list[Contribution],
+    attack: _Attack,
+    stats: AggregateStats,
+    factors: list[float | None] | None = None,
+) -> list[torch.Tensor]:
     """The reducers' result for this round, as the swarm's wire and reducers make it: each worker's Δ through
     ``swarm.compression`` (parts of ``swarm.part_size_bytes / 4`` values per tensor, as hivemind cuts them),
-    ``swarm.aggregation`` over them, and the result through the codec again (what every member receives)."""
+    ``swarm.aggregation`` over them, and the result through the codec again (what every member receives).
+    ``factors``: per worker, its weight factor (``RoundRules.weight_factors``), None for one whose Δ does not count
+    (it sends weight 0); default: every Δ counts in full."""
     s = cfg.swarm
     codec, part_values = get_codec(s.compression), s.part_size_bytes // 4
     deltas, wire = attack.sent(mine)
+    if factors is not None:
+        wire = [w if f is not None else 0.0 for w, f in zip(wire, factors, strict=True)]
     deltas = [roundtrip_parts(d, codec, part_values) for d in deltas]
     if s.aggregation == "mean":  # as the swarm's plain mean: the wire weight as is
         weights = wire
     else:
         cap = max_round_tokens(cfg)
         weights = [trusted_weight(w, c.payload.tokens, cap) for w, c in zip(wire, mine, strict=True)]
-    averaged = aggregate_flat(deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats)
+    scale = None if factors is None or all(f in (None, 1.0) for f in factors) else [f or 1.0 for f in factors]
+    averaged = aggregate_flat(deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats, scale)
     return roundtrip_parts(averaged, codec, part_values)
 
 
@@ -330,6 +360,94 @@ def _diloco_rounds(
             future.set_result((averaged, info(launched)))
     if pool[0].pending is not None:
         yield drained()
+
+
+class _Swarm:
+    """The simulator's stand-in for the swarm's state sharing (engine.SharedState) under fixed H with workers of
+    different speeds: ``latest`` is the outer state of the last group whose mean was applied, what a peer that
+    catches up or resyncs downloads."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.latest = worker.state.copy()
+
+    def of(self, worker: Worker) -> _WorkerSync:
+        return _WorkerSync(self, worker)
+
+
+@dataclasses.dataclass
+class _WorkerSync:
+    swarm: _Swarm
+    worker: Worker
+
+    def apply_outer(self, averaged: list[torch.Tensor], consensus: bool) -> float:
+        lr = self.worker.apply_outer(averaged)
+        if consensus:
+            self.swarm.latest = self.worker.state.copy()
+        return lr
+
+    def catch_up(self, group: RoundTag, averaged: list[torch.Tensor]) -> bool:
+        """The group's post-round state (an in-sync member settles first and leaves it in ``latest``)."""
+        if self.swarm.latest.round != group.round + 1:
+            return False
+        self.worker.load_state(self.swarm.latest.copy())
+        return True
+
+    def resync(self, after_local_step: bool) -> bool:
+        latest = self.swarm.latest
+        if after_local_step and latest.round < self.worker.state.round:
+            return False
+        self.worker.load_state(latest.copy())
+        return True
+
+
+def _straggler_rounds(
+    pool: list[Worker],
+    rules: RoundRules,
+    eval_sets: dict[str, torch.Tensor],
+    stats: AggregateStats,
+    contributed: list[int],
+    lost: list[int],
+) -> Iterator[tuple[RoundResult, float]]:
+    """Fixed H, workers of different speeds, nobody waiting for a slower one (module doc): (the round as its first
+    in-sync member settled it, evaluated there; the simulated seconds since the last group).
+    ``contributed[k]`` / ``lost[k]`` are added up: worker k's tokens whose Δ counted, its rounds that did not."""
+    cfg, h, eps = pool[0].cfg, pool[0].cfg.inner.steps, 1e-9
+    swarm = _Swarm(pool[0])
+    names = [f"worker{k}" for k in range(len(pool))]
+    work = [w.contribute() for w in pool]  # each worker's round in progress, trained from the state it holds
+    ready = [h / w.speed for w in pool]
+    now = 0.0
+    for _ in range(cfg.train.rounds):
+        ordered = sorted(ready)
+        at = ordered[1] if len(pool) > 1 else ordered[0]  # the moment two workers are ready
+        group = [k for k in range(len(pool)) if ready[k] <= at + eps]
+        gathered = Gathered({names[k]: work[k].payload for k in group})
+        factors = rules.weight_factors(gathered)
+        mine = [work[k] for k in group]
+        averaged = _aggregate(cfg, mine, _Attack("none", 1.0), stats, [factors.get(names[k]) for k in group])
+        sent = wire_bytes_sent(cfg, [a.shape for a in pool[0].state.anchor], len(group))
+        top = majority_tag(gathered)
+        first = sorted(group, key=lambda k: (work[k].payload.tag != top, k))  # in-sync members settle first
+        shown: RoundResult | None = None
+        for k in first:
+            info = ReduceInfo(len(group), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
+            result = pool[k].settle(
+                work[k], averaged, info, rules, swarm.of(pool[k]), eval_sets=eval_sets if k == first[0] else None
+            )
+            if names[k] in factors:
+                contributed[k] += work[k].inner.tokens
+            else:
+                lost[k] += 1
+            if k == first[0]:
+                shown = result
+        for k in group:  # every member starts its next round from the group's new state
+            work[k] = pool[k].contribute()
+            ready[k] = at + h / pool[k].speed
+        if shown is None:
+            raise NonFiniteUpdateError(f"round {swarm.latest.round}: the group's first member could not apply it")
+        shown.inner = _merge([c.inner for c in mine])
+        yield shown, at - now
+        now = at
 
 
 def _applied(pool: list[Worker], mine: list[Contribution], results: list[RoundResult | None]) -> RoundResult:

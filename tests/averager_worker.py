@@ -12,7 +12,8 @@ tokens on the wire as the weight), optional ``forge`` (sign the payload with a k
 optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``client_mode``
 (true: a client-mode DHT node and averager, as a peer behind NAT runs), optional ``identity_path``
 (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the peer ids of a closed run),
-``out_dir``.
+optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wait`` (the seconds the host's
+``group_wait`` answers, one per call, then 0), ``out_dir``.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
@@ -81,7 +82,7 @@ def main() -> None:
 
     from p2p_diloco.swarm.averager import PseudoGradAverager
     from p2p_diloco.swarm.identity import Identity
-    from p2p_diloco.swarm.protocol import GatherPayload, RoundTag
+    from p2p_diloco.swarm.protocol import GatherPayload, RoundRules, RoundTag
 
     if cfg.get("lie_to_first"):  # as a reducer, send the first other sender an average 0.1% off (the others the truth)
         _install_split_lie()
@@ -107,7 +108,11 @@ def main() -> None:
         signer = Identity.load()
         signer.close()
         signer.peer_id = identity.peer_id
+    if cfg.get("rules") is not None:
+        kwargs["rules"] = RoundRules(**cfg["rules"])
     averager = PseudoGradAverager(dht, grads, cfg["prefix"], identity=signer, **kwargs)
+    waits = list(cfg.get("group_wait") or [])
+    averager.group_wait = lambda: waits.pop(0) if waits else 0.0
     rnd, checksum = cfg.get("tag") or [0, "start"]
     steps = []
     original_step = averager.step

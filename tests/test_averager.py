@@ -260,6 +260,41 @@ def test_members_out_of_sync_count_only_when_one_round_behind(spawn, third_tag, 
         assert_close(peer.result(), expected)
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_delayed_delta_within_max_staleness_counts_at_its_stale_weight(spawn):
+    """Gathered tags [3, 3, 1] under max_staleness 2, staleness_decay 1: the member two rounds behind counts with a
+    third of its tokens at every reducer (the same factor on every member: computed from the same tags)."""
+    rules = {"rules": {"max_staleness": 2, "staleness_decay": 1.0}}
+    states = {0: {"tag": [3, "abc"], **rules}, 1: {"tag": [3, "abc"], **rules}, 2: {"tag": [1, "old"], **rules}}
+    peers = start_swarm(spawn, 3, per_peer=states)
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 40) for peer in peers]
+    expected = weighted_mean([0, 1, 2], [1.0, 1.0, 1 / 3])
+    for peer, res in zip(peers, results, strict=True):
+        assert res["info"]["complete"] and res["info"]["group_size"] == 3, res
+        assert_close(peer.result(), expected)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_peer_nobody_is_ready_for_waits_for_the_next_one_then_averages(spawn):
+    """group_wait says the next peer is ready in 2 s: the peer sleeps that long first (counted as matchmaking, and
+    said in the reason), then groups with the one that was there all along."""
+    averager = {**FAST, "target_group_size": 2, "matchmaking_time": 6.0}
+    peers = start_swarm(spawn, 2, per_peer={1: {"group_wait": [2.0]}}, averager=averager)
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 40) for peer in peers]
+    for peer, res in zip(peers, results, strict=True):
+        assert res["info"]["complete"] and res["info"]["group_size"] == 2, res
+        assert_close(peer.result(), weighted_mean([0, 1], [1.0, 1.0]))
+    waited = results[1]["info"]
+    assert waited["matchmaking_seconds"] >= 2.0 and "waited 2.0s for the next peer" in waited["reason"], waited
+    assert "waited" not in results[0]["info"]["reason"], results[0]
+
+
 ODD_PAYLOADS = {
     "garbage": {"gather_garbage": {"v": 1, "round": "three", "checksum": ["x"], "tokens": -1}},
     # not signed by the key its peer id stands for: what a leader forging a member's payload would send

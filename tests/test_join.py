@@ -3,6 +3,7 @@ difference between a peer that is there and one that left (its announcement no l
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,55 @@ def test_a_peer_that_stopped_refreshing_vouches_but_is_not_counted_or_asked():
         vouches = reader.vouches()
         assert vouches.peers == 1 and vouches.holders == {new: [a.peer_id]}
         assert vouches.vouchers[old] == {a.peer_id}  # its history still vouches
+    finally:
+        for node in reversed(nodes):
+            shutdown_dht(node)
+
+
+@pytest.mark.timeout(90)
+def test_a_round_expects_the_mates_ready_now_and_waits_for_the_next_one_when_none_is():
+    """Announced ready_at: a mate whose inner steps end within matchmaking_time of now is expected at this round's
+    matchmaking; a slower one (ready later) is not waited for, and one that has been averaging since long ago is
+    neither. With nobody ready now, group_wait says how long until the next mate is."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    cfg = load_config(TINY, [])
+    keys = [Identity.load() for _ in range(3)]
+    for key in keys:
+        key.close()
+    nodes = []
+    try:
+        for key in keys:
+            nodes.append(
+                start_dht(
+                    visible_maddrs(nodes[0]) if nodes else [],
+                    new_swarm=not nodes,
+                    host_maddrs=LOCAL,
+                    join_timeout=10,
+                    record_validators=make_validators(cfg.swarm.run_id, key),
+                )
+            )
+        reader, fast, slow = (Membership(n, cfg, k, "fp", {"k": 1}) for n, k in zip(nodes, keys))
+        tag, window = RoundTag(2, "e" * 16), cfg.swarm.matchmaking_time
+
+        def announce(member: Membership, ready_at: float) -> None:
+            member.ready_at = ready_at
+            assert member.announce(tag)
+
+        assert reader.expected_members() == 1 and reader.group_wait() == 0.0  # alone: nothing to wait for
+        announce(fast, 0.0)  # not known yet (its first step): expected, as everyone was before ready_at
+        announce(slow, get_dht_time() + 100.0)
+        assert reader.expected_members() == 2 and reader.group_wait() == 0.0
+        announce(fast, get_dht_time() + window / 2)  # about to be ready
+        assert reader.expected_members() == 2
+        announce(fast, get_dht_time() - 3 * window)  # it has been averaging since: its next round is not announced
+        assert reader.expected_members() == 1
+        assert 90.0 < reader.group_wait() <= 100.0  # nobody ready now: wait for the slow one
+        fast.expect_ready(get_dht_time() + 20.0)  # the non-blocking path, as the training peer announces
+        deadline = get_dht_time() + 20
+        while reader.group_wait() > 25.0 and get_dht_time() < deadline:
+            time.sleep(0.2)
+        assert 10.0 < reader.group_wait() <= 20.0 and reader.expected_members() == 1
     finally:
         for node in reversed(nodes):
             shutdown_dht(node)

@@ -41,6 +41,17 @@ CASES = [
     ("one behind", A4, group(A4, A5, A5), True, LOCAL, Action.CATCH_UP, True, A5),
     ("one behind, max_staleness 0", A4, group(A4, A5, A5), True, STRICT, Action.RESYNC, False, A5),
     ("two behind", A3, group(A3, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
+    ("two behind, max_staleness 2", A3, group(A3, A5, A5), True, RoundRules(2), Action.CATCH_UP, True, A5),
+    (
+        "three behind, max_staleness 2",
+        RoundTag(2, "a"),
+        group(RoundTag(2, "a"), A5, A5),
+        True,
+        RoundRules(2),
+        Action.RESYNC,
+        False,
+        A5,
+    ),
     ("ahead of the group", A6, group(A6, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
     ("diverged at the same round", B5, group(B5, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
     ("in the majority, one member behind", A5, group(A5, A5, A4), True, LOCAL, Action.APPLY, True, A5),
@@ -136,7 +147,23 @@ def test_payload_round_trip_and_non_string_peer_ids():
 
 
 def test_round_rules_refuse_what_the_config_refuses():
-    with pytest.raises(ValueError, match="max_staleness"):
-        RoundRules(2, "local")
+    for bad in (-1, 9, 1.5, True):
+        with pytest.raises(ValueError, match="max_staleness"):
+            RoundRules(bad, "local")
+    for bad in (-0.5, 9.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="staleness_decay"):
+            RoundRules(1, "local", bad)
     with pytest.raises(ValueError, match="alone_policy"):
         RoundRules(1, "sometimes")
+
+
+def test_a_delayed_delta_counts_at_its_stale_weight_and_the_others_in_full():
+    rules = RoundRules(max_staleness=4, staleness_decay=1.0)
+    assert [rules.stale_weight(s) for s in range(4)] == [1.0, 0.5, 1 / 3, 0.25]
+    assert RoundRules(4, staleness_decay=0.0).stale_weight(3) == 1.0
+    gathered = group(A5, A5, A3, RoundTag(0, "old"), B5)  # p2 two behind, p3 five behind, p4 diverged
+    assert rules.weight_factors(gathered) == {"p0": 1.0, "p1": 1.0, "p2": 1 / 3}
+    assert decide(A3, gathered, True, rules).reason.startswith("2 round(s) behind the group") and "x0.333" in (
+        decide(A3, gathered, True, rules).reason
+    )
+    assert RoundRules(4).weight_factors(group(A5, B5)) == {}  # a tie: nobody's Δ counts

@@ -193,3 +193,19 @@ def test_senders_of_unequal_tokens_are_bounded_per_token_so_the_longer_delta_of_
     hostile = aggregate([slow, 50.0 * direction], [1.0, 6.0], rule, 2.0, stats)
     assert float(hostile.norm()) <= (1.0 + 6.0 * 12.0) / 7.0 * float(direction.norm()) * (1 + 1e-6)
     assert stats.excluded_outlier or stats.clipped
+
+
+@pytest.mark.parametrize("rule", ["mean", *ROBUST])
+def test_a_delayed_delta_counts_at_its_factor_and_is_bounded_per_declared_token(rule):
+    """A straggler's Δ (factor 1/3: two rounds stale at staleness_decay 1) counts a third of its tokens in the mean,
+    but is judged against the others per declared token: with its weight cut to a third first, its norm per unit
+    weight would be 3x the median and median_filter (clip 2) would drop it."""
+    direction = torch.linspace(-1.0, 1.0, 64)
+    parts = [direction.clone(), 1.02 * direction, 0.98 * direction + 0.01]
+    got = aggregate(parts, [100.0, 100.0, 100.0], rule, 2.0, factors=[1.0, 1.0, 1 / 3])
+    expected = (parts[0] + parts[1] + parts[2] / 3) / (2 + 1 / 3)
+    assert torch.allclose(got, expected, atol=1e-6)
+    plain = aggregate(parts, [100.0, 100.0, 100.0], rule, 2.0)
+    assert torch.equal(aggregate(parts, [100.0] * 3, rule, 2.0, factors=[1.0] * 3), plain)  # factors 1: bitwise
+    with pytest.raises(ValueError, match="factor"):
+        aggregate(parts, [100.0] * 3, rule, 2.0, factors=[1.0, 0.0, 1.0])

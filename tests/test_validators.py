@@ -47,6 +47,7 @@ FINGERPRINT = {
     "round": 3,
     "states": [[3, "ab12"], [2, "cd34"]],
     "client": False,
+    "ready_at": 1.8e9,
 }
 
 
@@ -149,8 +150,14 @@ def test_run_schemas_through_the_whole_validator_set():
     assert ok(fp, dict(FINGERPRINT, states=[]))
     assert ok(fp, dict(FINGERPRINT, summary={"a": float("nan")}))
     assert ok(fp, dict(FINGERPRINT, client=True))
+    assert ok(fp, dict(FINGERPRINT, ready_at=0.0))
     bad = [
         {k: v for k, v in FINGERPRINT.items() if k != "client"},  # every field is required (a default is a change)
+        {k: v for k, v in FINGERPRINT.items() if k != "ready_at"},
+        dict(FINGERPRINT, ready_at=-1.0),
+        dict(FINGERPRINT, ready_at=float("inf")),
+        dict(FINGERPRINT, ready_at=float("nan")),
+        dict(FINGERPRINT, ready_at=5),
         dict(FINGERPRINT, client=1),
         dict(FINGERPRINT, extra=1),
         {k: v for k, v in FINGERPRINT.items() if k != "states"},

@@ -88,6 +88,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -114,7 +115,7 @@ from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of 
 from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, PayloadBytes, WireCodec
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.identity import Identity, peer_id_of, verify
-from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, decide
+from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
@@ -249,6 +250,11 @@ class PseudoGradAverager(DecentralizedAverager):
         # host side, client mode only: how many live peers of the run accept calls (can lead and reduce); at 0 a
         # round is local at once, with the reason, instead of a matchmaking that cannot succeed
         self.reachable_members: Callable[[], int] | None = None
+        # host side: seconds until the next peer of the run will be ready to average when none is now (e.g.
+        # Membership.group_wait); reduce waits that long before matchmaking, and again after a matchmaking that found
+        # nobody, within round_deadline, instead of averaging alone
+        self.group_wait: Callable[[], float] | None = None
+        self._closing = threading.Event()
         if start:
             self.run_in_background(await_ready=True, timeout=60)
 
@@ -284,6 +290,7 @@ class PseudoGradAverager(DecentralizedAverager):
 
     def shutdown(self) -> None:
         """Stop the averager process; it is gone (joined, killed if it had to be) when this returns."""
+        self._closing.set()
         if self.is_alive():
             super().shutdown()
             self.join(self.shutdown_timeout)
@@ -321,6 +328,7 @@ class PseudoGradAverager(DecentralizedAverager):
             info.group_size, info.reason = 1, NO_REACHABLE_MEMBER
             return [g.clone() for g in grads], info
         attempt_budget = 2 * self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
+        self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes)
         while info.attempts < self.max_reduce_attempts:
             if info.attempts and time.monotonic() + attempt_budget > start + self.round_deadline:
                 notes.append(f"no time for attempt {info.attempts + 1} within round_deadline={self.round_deadline}s")
@@ -331,10 +339,30 @@ class PseudoGradAverager(DecentralizedAverager):
                 info.complete, info.reason = True, "; ".join(notes)
                 return averaged, info
             notes.append(f"attempt {info.attempts}: {why}")
-            if not retry:
+            # nobody came, but peers will be ready later (they began their round while we looked): wait, retry
+            if not retry and not self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes):
                 break
         info.group_size, info.complete, info.reason = 1, False, "; ".join(notes)
         return [g.clone() for g in grads], info
+
+    def _wait_for_group(self, until: float, info: ReduceInfo, notes: list[str]) -> bool:
+        """Sleep until the next peer will be ready (``group_wait``), if that is before ``until`` (monotonic); the
+        wait counts as matchmaking. Whether it waited."""
+        if self.group_wait is None:
+            return False
+        try:
+            delay = float(self.group_wait())
+        except Exception as exc:  # noqa: BLE001 - not knowing when others are ready: go to matchmaking now
+            log.debug("when peers are ready is unknown (%r)", exc)
+            return False
+        if not (0.0 < delay <= until - time.monotonic()):
+            return False
+        log.info("no peer is ready to average now; waiting %.1fs for the next one", delay)
+        began = time.monotonic()
+        self._closing.wait(delay)
+        info.matchmaking_seconds += time.monotonic() - began
+        notes.append(f"waited {delay:.1f}s for the next peer to be ready")
+        return not self._closing.is_set()
 
     def _no_reachable_member(self) -> bool:
         """Whether no live peer of the run can lead a group for us (client mode; ``reachable_members`` says 0)."""
@@ -469,12 +497,15 @@ class PseudoGradAverager(DecentralizedAverager):
             strangers = [str(p) for p in group_info.peer_ids if not self._admitted(p)]
             if strangers:  # never send a part to, or take one from, a peer that is not listed or was caught lying
                 raise PermissionError(f"the group holds {len(strangers)} unlisted or banned peer(s)")
-            counted = self._counted_tokens(gathered)
-            if counted.get(str(self.peer_id)) is None:
+            factors = self.rules.weight_factors(gathered)  # the members whose Δ counts (protocol.decide)
+            if str(self.peer_id) not in factors:
                 kwargs["weight"] = 0.0  # out of sync with the group: serve as a reducer, contribute nothing
-            senders = [p for p, m in zip(group_info.peer_ids, modes, strict=True) if m != AveragingMode.AUX]
-            declared = tuple(counted.get(str(p)) for p in senders)
-            aggregation = Aggregation(self.aggregation, self.aggregation_clip, declared, self.max_tokens)
+            senders = [str(p) for p, m in zip(group_info.peer_ids, modes, strict=True) if m != AveragingMode.AUX]
+            declared = tuple(gathered.payloads[p].tokens if p in factors else None for p in senders)
+            stale = tuple(factors.get(p, 1.0) for p in senders)
+            aggregation = Aggregation(
+                self.aggregation, self.aggregation_clip, declared, self.max_tokens, stale if min(stale) < 1 else None
+            )
             download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
             sizes = load_balance_peers(self.total_size, download, min_vector_size)
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
@@ -523,15 +554,6 @@ class PseudoGradAverager(DecentralizedAverager):
             t_group=t_group,
             reason=reason or "members without a complete result: " + ", ".join(against),
         )
-
-    def _counted_tokens(self, gathered: Gathered) -> dict[str, int]:
-        """{peer id: tokens its payload declares} for the members whose Δ counts (protocol.decide); the others
-        (out of sync, no valid payload) are absent and weigh 0 at every reducer."""
-        out = {}
-        for peer, payload in gathered.payloads.items():
-            if decide(payload.tag, gathered, True, self.rules).counts:
-                out[peer] = payload.tokens
-        return out
 
     def _decode(self, user_bytes: Any) -> Any:
         """One member's gather payload off the wire, or None when it does not decode (then dropped, counted)."""

@@ -130,13 +130,15 @@ class Aggregation:
 
     ``declared``: per sender (``sender_peer_ids`` order), the tokens its valid gather payload declares when its Δ
     counts (protocol.decide), else None; a part counts with that many tokens only if the sender's wire weight says
-    the same and it is at most ``max_tokens`` (robust.trusted_weight), else with weight 0.
+    the same and it is at most ``max_tokens`` (robust.trusted_weight), else with weight 0. ``factors``: per sender,
+    what its weight is multiplied by in the mean (a delayed Δ: protocol.RoundRules.weight_factors), None: all 1.
     """
 
     rule: str
     clip: float
     declared: tuple[int | None, ...]
     max_tokens: int | None = None
+    factors: tuple[float, ...] | None = None
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -188,7 +190,16 @@ class RobustPartReducer(TensorPartReducer):
         senders = sorted(self.current_parts)
         parts = [self.current_parts[i][0] for i in senders]
         weights = [self.current_parts[i][1] for i in senders]
-        self.current_part_future.set_result(aggregate(parts, weights, self.aggregation.rule, self.aggregation.clip))
+        factors = self.aggregation.factors
+        self.current_part_future.set_result(
+            aggregate(
+                parts,
+                weights,
+                self.aggregation.rule,
+                self.aggregation.clip,
+                factors=None if factors is None else [factors[i] for i in senders],
+            )
+        )
         self.reset_accumulators()
 
 

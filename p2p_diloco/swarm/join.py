@@ -22,6 +22,7 @@ Failure: SwarmSetupError when every other peer of the run has other settings (th
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class Membership:
         self.subkey = owner_subkey(identity.public_key)
         self.timeout = cfg.swarm.dht_timeout
         self.states: list[RoundTag] = []  # our recent tags, oldest first
+        self.ready_at = 0.0  # when our current inner steps end (DHT time; 0.0: not known)
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
 
     def announce(self, tag: RoundTag, wait: bool = True) -> bool:
@@ -99,8 +101,16 @@ class Membership:
             "round": tag.round,
             "states": [[t.round, t.checksum] for t in self.states],
             "client": self.client,
+            "ready_at": self.ready_at,
         }
         return self._store(value, wait)
+
+    def expect_ready(self, ready_at: float) -> None:
+        """Announce when our current inner steps will end (DHT time), without waiting for the DHT."""
+        self.ready_at = max(0.0, float(ready_at)) if math.isfinite(ready_at) else 0.0
+        if self._value is not None:
+            self._value = {**self._value, "ready_at": self.ready_at}
+            self._store(self._value, wait=False)
 
     def refresh(self) -> None:
         """Store our last announcement again (it says we are still here); called every HEARTBEAT seconds."""
@@ -150,10 +160,33 @@ class Membership:
         """Announcements of the other peers that share our fingerprint (they can average with us)."""
         return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
 
+    def _readiness(self) -> tuple[int, list[float]]:
+        """(how many live mates are ready for a round's matchmaking now, when the others will be), by their
+        announced ``ready_at``: within ``swarm.matchmaking_time`` of now (or not known yet) is now; later is later;
+        longer ago means it has been averaging since (or did not announce its next round yet): neither."""
+        now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
+        ready, later = 0, []
+        for v in self.mates():
+            at = v.get("ready_at", 0.0)
+            if not v.get("live") or not isinstance(at, float):
+                continue
+            if at == 0.0 or now - window <= at <= now + window:
+                ready += 1
+            elif at > now + window:
+                later.append(at - now)
+        return ready, later
+
     def expected_members(self) -> int:
-        """How many peers will come to a round's matchmaking: us and the live peers with our settings. The
-        averager assembles a group as soon as that many joined (swarm.target_group_size is only the cap)."""
-        return 1 + sum(1 for v in self.mates() if v.get("live"))
+        """How many peers will come to a round's matchmaking: us and the live peers with our settings that are ready
+        by now (``_readiness``); a slower peer, whose inner steps end later, is not waited for. The averager
+        assembles a group as soon as that many joined (swarm.target_group_size is only the cap)."""
+        return 1 + self._readiness()[0]
+
+    def group_wait(self) -> float:
+        """Seconds until the next live mate is ready, when none is ready now but one will be (a straggler that
+        finished after the others' round began waits for their next one instead of matchmaking alone); else 0."""
+        ready, later = self._readiness()
+        return 0.0 if ready or not later else min(later)
 
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and

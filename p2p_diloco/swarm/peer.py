@@ -141,6 +141,7 @@ class TrainingPeer:
         )
         self.averager.expected_members = members.expected_members
         self.averager.reachable_members = members.reachable_members
+        self.averager.group_wait = members.group_wait
         self.sync = sync = StateSync(
             worker,
             self.averager,
@@ -204,9 +205,12 @@ class TrainingPeer:
         worker = self.worker
         round = worker.state.round + worker.in_flight + 1  # the round whose inner steps run now
         progress, close = self.reporter.progress(round, worker.device)
+        began, steps = time.time(), self.cfg.inner.steps
 
         def on_step(k: int, loss: float) -> None:
             progress(k, loss)
+            if k in (0, steps // 2):  # when our inner steps will end: who the others wait for (join.py)
+                self.members.expect_ready(self._ready_at(k + 1, began))
             if self.opts.stop.is_set():
                 raise StopRequested
 
@@ -218,6 +222,14 @@ class TrainingPeer:
             return None
         finally:
             close()
+
+    def _ready_at(self, done: int, began: float) -> float:
+        """When this round's inner steps will end (DHT time, which is the wall clock): the round's end under
+        inner.round_seconds, else the steps left at this round's pace so far."""
+        if self.cfg.inner.round_seconds > 0:
+            return self.worker.round_ends_at
+        now = time.time()
+        return now + (now - began) / done * max(0, self.cfg.inner.steps - done)
 
     def run(self) -> int:
         """Train until train.rounds or a stop request; always leaves no process behind. Exit code 0 (RoundsFailing

@@ -21,10 +21,11 @@ payloads, so every member of a group reaches the same view of who counts. Its ta
 
   all-reduce  this peer's tag vs the group's majority tag    action      Δ counts  afterwards
   complete    equal (or no other valid payload)              apply       yes       outer step with Δ̄
-  complete    one round behind, max_staleness 1              catch_up    yes       take the group's pre-round
-                                                                                  state, apply the same Δ̄
-  complete    further behind, ahead, diverged, or one        resync      no        discard the round, download
-              behind with max_staleness 0                                         the outer state
+  complete    1 to max_staleness rounds behind               catch_up    yes, at   take the group's pre-round
+                                                                        a stale   state, apply the same Δ̄
+                                                                        weight
+  complete    further behind, ahead or diverged              resync      no        discard the round, download
+                                                                                  the outer state
   complete    no majority: the most common tags tie          as incomplete: local_step or discard, and nobody's
                                                                           Δ counts in the group's mean
   incomplete  alone, no group, or a failed all-reduce        local_step  own Δ     alone_policy local: outer step
@@ -33,6 +34,11 @@ payloads, so every member of a group reaches the same view of who counts. Its ta
   incomplete  (the same)                                     discard     -         alone_policy wait
 The majority tag is the one most valid payloads carry. A tie is no majority: otherwise one peer claiming a
 far-ahead round would win every group of two (threat-model.md), so a tied group's mean is not applied by anyone.
+
+A delayed Δ (a straggler's, trained from an outer state ``s`` rounds older than the group's: ``staleness``) counts
+in the group's mean with ``RoundRules.stale_weight(s)`` = (1 + s) ** -staleness_decay times its tokens (1 for an
+in-sync member); every reducer computes the same factor from the same gathered tags. The defaults and the
+measurement that chose them: docs/stragglers.md.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ __all__ = [
     "GATHER_VERSION",
     "GatherPayload",
     "Gathered",
+    "MAX_STALENESS",
     "RoundRules",
     "RoundTag",
     "decide",
@@ -58,6 +65,7 @@ __all__ = [
 GATHER_VERSION = 2  # bump when GatherPayload's wire form changes (peers of another version never vote alike)
 _MAX_COUNT = 2**53  # rounds and tokens beyond this are not plausible (and not exact as floats)
 _MAX_CHECKSUM_CHARS = 64
+MAX_STALENESS = 8  # swarm.max_staleness at most: a peer catches up to a state its group vouches for (8 recent tags)
 _ALONE_POLICIES = ("local", "wait")
 
 
@@ -135,21 +143,43 @@ class Gathered:
 
 @dataclass(frozen=True)
 class RoundRules:
-    """The config values ``decide`` reads (``swarm.max_staleness``, ``swarm.alone_policy``)."""
+    """The config values ``decide`` reads (``swarm.max_staleness``, ``swarm.staleness_decay``,
+    ``swarm.alone_policy``)."""
 
     max_staleness: int = 1
     alone_policy: str = "local"
+    staleness_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.max_staleness not in (0, 1):
-            raise ValueError(f"max_staleness={self.max_staleness!r} must be 0 or 1")
+        if not (_count(self.max_staleness) and self.max_staleness <= MAX_STALENESS):
+            raise ValueError(f"max_staleness={self.max_staleness!r} must be an int in [0, {MAX_STALENESS}]")
+        if not (isinstance(self.staleness_decay, int | float) and 0 <= self.staleness_decay <= 8):
+            raise ValueError(f"staleness_decay={self.staleness_decay!r} must be a number in [0, 8]")
         if self.alone_policy not in _ALONE_POLICIES:
             raise ValueError(f"alone_policy={self.alone_policy!r} must be one of {', '.join(_ALONE_POLICIES)}")
 
     @classmethod
     def from_config(cls, swarm: Any) -> RoundRules:
-        """From a SwarmConfig (or anything with the same two fields)."""
-        return cls(max_staleness=swarm.max_staleness, alone_policy=swarm.alone_policy)
+        """From a SwarmConfig (or anything with the same three fields)."""
+        return cls(
+            max_staleness=swarm.max_staleness,
+            alone_policy=swarm.alone_policy,
+            staleness_decay=swarm.staleness_decay,
+        )
+
+    def stale_weight(self, staleness: int) -> float:
+        """The factor a Δ trained ``staleness`` rounds behind the group counts with (1.0 in sync; module doc)."""
+        return 1.0 if staleness <= 0 else (1.0 + staleness) ** -float(self.staleness_decay)
+
+    def weight_factors(self, gathered: Gathered) -> dict[str, float]:
+        """{peer id: its weight factor} for the members whose Δ counts in the group's mean (``decide``), the same
+        on every member of the group; the others are absent (weight 0)."""
+        top = majority_tag(gathered) if gathered.payloads else None
+        out = {}
+        for peer, payload in gathered.payloads.items():
+            if decide(payload.tag, gathered, True, self).counts and top is not None:
+                out[peer] = self.stale_weight(top.round - payload.tag.round)
+        return out
 
 
 class Action(str, enum.Enum):
@@ -200,8 +230,9 @@ def decide(mine: RoundTag, gathered: Gathered, complete: bool, rules: RoundRules
         note = f"; {odd} member(s) out of sync catch up or resync" if odd else ""
         return Decision(Action.APPLY, f"in sync with the group at {top}{note}{dropped}", True, top, odd)
     behind = top.round - mine.round
-    if behind == 1 and rules.max_staleness >= 1:
-        reason = f"one round behind the group ({mine} vs {top}): Δ counts, then catch up{dropped}"
+    if 0 < behind <= rules.max_staleness:
+        weight = rules.stale_weight(behind)
+        reason = f"{behind} round(s) behind the group ({mine} vs {top}): Δ counts x{weight:.3g}, then catch up{dropped}"
         return Decision(Action.CATCH_UP, reason, True, top, odd)
     if behind > 0:
         where = f"{behind} round(s) behind"

@@ -207,6 +207,9 @@ class _FingerprintWire(pydantic_v1.BaseModel):
     # SchemaValidator refuses a value that parsing changes, and a filled-in default is a change (every announcement
     # without it was dropped, so joiners saw no member)
     client: pydantic_v1.StrictBool
+    # when this peer's current inner steps end, in DHT time (0.0: not known yet): who to expect at a round's
+    # matchmaking and when (join.Membership.expected_members, group_wait)
+    ready_at: pydantic_v1.confloat(strict=True, ge=0.0, lt=float(MAX_STEP))
 
     class Config:
         extra = pydantic_v1.Extra.forbid
