@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state, save_round
-from p2p_diloco.config import load_config
+from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.engine import ReduceInfo, Worker
 from p2p_diloco.inner import lr_at
 from p2p_diloco.model import build_model
@@ -213,9 +213,9 @@ def test_simulation_cli_reports_bad_input_without_traceback(tmp_path, capsys):
         assert "--speeds" in capsys.readouterr().err
 
 
-def test_simulated_speeds_budget_steps_by_the_round_clock_and_fixed_h_waits_for_the_slowest(tmp_path):
+def test_simulated_speeds_budget_steps_by_the_round_clock(tmp_path):
     """With inner.round_seconds each simulated worker takes round_seconds x its speed steps (its tokens weigh its
-    Δ); with fixed H every worker takes H steps and a round lasts as long as the slowest worker's H steps."""
+    Δ), and a round lasts round_seconds."""
     sets = [*FAST, "train.rounds=2", "inner.steps=12"]
     cfg = load_config(TINY, [*sets, "inner.round_seconds=6"])
     budget = simulate(cfg, "diloco", 3, tmp_path / "b", speeds=[2.0, 1.0, 0.25])
@@ -223,9 +223,30 @@ def test_simulated_speeds_budget_steps_by_the_round_clock_and_fixed_h_waits_for_
     steps = [12, 6, 1]  # min(H, max(1, 6 x speed)): the fastest is capped at H
     assert [r["tokens"] for r in records] == [sum(steps) * cfg.data.batch_size * cfg.data.seq_len] * 2
     assert budget["simulated_seconds"] == 12.0 and budget["speeds"] == [2.0, 1.0, 0.25]
-    fixed = simulate(load_config(TINY, sets), "diloco", 3, tmp_path / "f", speeds=[2.0, 1.0, 0.25])
-    assert fixed["simulated_seconds"] == 2 * 12 / 0.25
-    assert fixed["tokens_per_worker"] > budget["tokens_per_worker"]
+
+
+@pytest.mark.parametrize(("max_staleness", "counted_rounds"), [(1, 0), (2, 2)])
+def test_fixed_h_with_a_straggler_never_waits_for_it_and_counts_its_delayed_delta_within_max_staleness(
+    tmp_path, max_staleness, counted_rounds
+):
+    """Fixed H = 3, speeds 1, 1, 1/3: the fast pair averages every 3 simulated seconds without the straggler, which
+    reaches every third group 2 rounds behind. Within max_staleness its Δ counts (then it catches up); beyond, it
+    resyncs and its round is lost. Every group member ends bitwise on the group's state either way."""
+    sets = [*FAST, "train.rounds=6", "inner.steps=3", f"swarm.max_staleness={max_staleness}"]
+    cfg = load_config(TINY, sets)
+    out = simulate(cfg, "diloco", 3, tmp_path, speeds=[1.0, 1.0, 1 / 3])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["group_size"] for r in records] == [2, 2, 3, 2, 2, 3]
+    assert out["simulated_seconds"] == pytest.approx(18.0)  # 6 rounds of the fast workers: nobody waited
+    per_round = 3 * cfg.data.batch_size * cfg.data.seq_len
+    assert out["contributed_tokens_per_worker"] == [6 * per_round, 6 * per_round, counted_rounds * per_round]
+    assert out["lost_rounds_per_worker"] == [0, 0, 2 - counted_rounds]
+
+
+def test_a_straggler_simulation_refuses_what_it_does_not_model(tmp_path):
+    cfg = load_config(TINY, [*FAST, "train.rounds=1", "inner.steps=2", "swarm.overlap=eager"])
+    with pytest.raises(ConfigError, match="overlap"):
+        simulate(cfg, "diloco", 2, tmp_path, speeds=[1.0, 0.5])
 
 
 def test_pretrained_model_loads_from_a_local_path(tmp_path):

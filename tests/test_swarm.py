@@ -219,6 +219,43 @@ def test_budgeted_rounds_end_together_for_peers_of_different_speeds(spawn, tmp_p
 
 
 @pytest.mark.timeout(240)
+def test_fixed_h_fast_peers_do_not_wait_for_a_straggler_whose_delayed_delta_still_counts(spawn, tmp_path):
+    """Fixed H with one peer 3x slower: the fast pair averages without waiting for it (groups of 2), and when it
+    arrives rounds behind, its Δ counts (decision catch_up, max_staleness 3) and it catches up to the group's
+    state; every group's members hold the same state."""
+    boot, initial = start_bootstrap(spawn)
+    sets = [
+        "train.rounds=8",
+        "inner.steps=40",
+        "data.num_shards=3",
+        "swarm.max_staleness=3",
+        "swarm.start_peers=3",
+        "swarm.matchmaking_time=4",
+    ]
+    dirs = [tmp_path / "fast0", tmp_path / "fast1", tmp_path / "slow"]
+    peers = [start_peer(spawn, initial, d, *sets, f"data.shard_index={k}") for k, d in enumerate(dirs)]
+    for peer in peers:
+        peer.wait_for_line(r"^joined at round 0", timeout=90)
+    with Throttle(peers[2].pid, slowdown=3):
+        finish(peers, timeout=200)
+
+    fast, slow = [records(d) for d in dirs[:2]], records(dirs[2])
+    for label, recs in (("fast0", fast[0]), ("fast1", fast[1]), ("slow", slow)):
+        print(
+            label, [(r["outer_step"], r["group_size"], r["decision"], round(r["matchmaking_seconds"], 1)) for r in recs]
+        )
+    grouped = [r for recs in (*fast, slow) for r in recs if r["group_size"] > 1]
+    by_step: dict[int, set[str]] = {}
+    for r in grouped:
+        by_step.setdefault(r["outer_step"], set()).add(r["checksum"])
+    assert all(len(c) == 1 for c in by_step.values()), by_step
+    assert any(r["group_size"] == 2 for r in fast[0]), fast[0]  # the fast pair did not wait for the slow peer
+    said = [line for line in peers[2].stderr_lines if "round" in line][-40:]
+    assert [r for r in slow if r["decision"] == "catch_up" and r["group_size"] > 1], said  # its delayed Δ counted
+    assert len(slow) < len(fast[0]), (slow, fast[0])
+
+
+@pytest.mark.timeout(240)
 def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path):
     # the late joiner may still resync from the others after they finished: they linger for it. Groups form as soon
     # as the live peers are in (a round takes ~0.5 s), so the run is long enough for the joiner's start-up.

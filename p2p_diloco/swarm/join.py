@@ -88,6 +88,7 @@ class Membership:
         self.timeout = cfg.swarm.dht_timeout
         self.states: list[RoundTag] = []  # our recent tags, oldest first
         self.ready_at = 0.0  # when our current inner steps end (DHT time; 0.0: not known)
+        self.patience = cfg.swarm.matchmaking_time  # how much later than now a mate may be ready and be waited for
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
 
     def announce(self, tag: RoundTag, wait: bool = True) -> bool:
@@ -105,9 +106,12 @@ class Membership:
         }
         return self._store(value, wait)
 
-    def expect_ready(self, ready_at: float) -> None:
-        """Announce when our current inner steps will end (DHT time), without waiting for the DHT."""
+    def expect_ready(self, ready_at: float, patience: float | None = None) -> None:
+        """Announce when our current inner steps will end (DHT time), without waiting for the DHT; ``patience``:
+        how much later than now a mate may be ready and still be waited for (at most swarm.matchmaking_time)."""
         self.ready_at = max(0.0, float(ready_at)) if math.isfinite(ready_at) else 0.0
+        if patience is not None and math.isfinite(patience):
+            self.patience = min(self.cfg.swarm.matchmaking_time, max(0.0, patience))
         if self._value is not None:
             self._value = {**self._value, "ready_at": self.ready_at}
             self._store(self._value, wait=False)
@@ -162,17 +166,18 @@ class Membership:
 
     def _readiness(self) -> tuple[int, list[float]]:
         """(how many live mates are ready for a round's matchmaking now, when the others will be), by their
-        announced ``ready_at``: within ``swarm.matchmaking_time`` of now (or not known yet) is now; later is later;
-        longer ago means it has been averaging since (or did not announce its next round yet): neither."""
+        announced ``ready_at``: up to ``patience`` from now, or since at most ``swarm.matchmaking_time`` (still
+        looking for a group), or not known yet, is now; later is later; longer ago means it has been averaging
+        since (or did not announce its next round yet): neither."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         ready, later = 0, []
         for v in self.mates():
             at = v.get("ready_at", 0.0)
             if not v.get("live") or not isinstance(at, float):
                 continue
-            if at == 0.0 or now - window <= at <= now + window:
+            if at == 0.0 or now - window <= at <= now + self.patience:
                 ready += 1
-            elif at > now + window:
+            elif at > now + self.patience:
                 later.append(at - now)
         return ready, later
 

@@ -75,6 +75,7 @@ class TrainingPeer:
         self.guard: RoundGuard | None = None
         self.peer_id = ""
         self.eval_sets = self.data.eval_sets()
+        self._step_seconds: float | None = None  # the last full round's seconds per inner step
 
     def start(self) -> None:
         cfg, s = self.cfg, self.cfg.swarm
@@ -210,7 +211,9 @@ class TrainingPeer:
         def on_step(k: int, loss: float) -> None:
             progress(k, loss)
             if k in (0, steps // 2):  # when our inner steps will end: who the others wait for (join.py)
-                self.members.expect_ready(self._ready_at(k + 1, began))
+                self._announce_ready(k + 1, began)
+            if k == steps - 1:
+                self._step_seconds = (time.time() - began) / steps
             if self.opts.stop.is_set():
                 raise StopRequested
 
@@ -223,13 +226,19 @@ class TrainingPeer:
         finally:
             close()
 
-    def _ready_at(self, done: int, began: float) -> float:
-        """When this round's inner steps will end (DHT time, which is the wall clock): the round's end under
-        inner.round_seconds, else the steps left at this round's pace so far."""
+    def _announce_ready(self, done: int, began: float) -> None:
+        """Announce when this round's inner steps will end (DHT time, which is the wall clock): the round's end under
+        inner.round_seconds; else at the last full round's pace (a throttled or shared machine's first steps say
+        little), or this round's so far. Mates ready up to half a round (at least 1 s) later are waited for (join.py):
+        peers of equal speed on a shared machine end their rounds that far apart; one 2x slower or more is not."""
+        now, steps = time.time(), self.cfg.inner.steps
         if self.cfg.inner.round_seconds > 0:
-            return self.worker.round_ends_at
-        now = time.time()
-        return now + (now - began) / done * max(0, self.cfg.inner.steps - done)
+            self.members.expect_ready(self.worker.round_ends_at, 0.2 * self.cfg.inner.round_seconds)
+            return
+        pace = (now - began) / done if self._step_seconds is None or done > 1 else self._step_seconds
+        self.members.expect_ready(
+            began + pace * steps if done == 1 else now + pace * (steps - done), max(1.0, 0.5 * pace * steps)
+        )
 
     def run(self) -> int:
         """Train until train.rounds or a stop request; always leaves no process behind. Exit code 0 (RoundsFailing
