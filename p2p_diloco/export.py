@@ -5,19 +5,21 @@ Inputs:  a path to one checkpoint (DIR/outer_state.safetensors + DIR/outer_state
          (its final_state/). The architecture and the tokenizer come from the config the checkpoint carries (a
          peer's outer_state.json holds it; else run_metadata.json beside the checkpoint or one level up).
 Output:  ``load_anchor_model(path)`` -> AnchorModel: the run's model (fp32, CPU, eval mode) holding the anchor, the
-         run's tokenizer (data.py), the config, round and checksum.
-         ``export_checkpoint(path, out)`` -> ``out``, a directory ``AutoModelForCausalLM.from_pretrained`` and
-         ``AutoTokenizer.from_pretrained`` load offline: config.json, generation_config.json, model.safetensors,
-         the tokenizer (the run's transformers one, saved again; for ``data.tokenizer=byte`` a tokenizers-backed
-         one with ids 0..255 = the UTF-8 bytes and 256 = eos, see ``transformers_byte_tokenizer``) and
-         p2p_diloco_export.json (where it came from: checkpoint path, round, checksum, peer id, config).
+         run's tokenizer (data.py), the config (its seed, model and data sections), round and checksum.
+         ``export_checkpoint(path, out)`` writes ``out`` (and returns that AnchorModel), a directory that
+         ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load offline: config.json,
+         generation_config.json, model.safetensors, the tokenizer (the run's transformers one, saved again; for
+         ``data.tokenizer=byte`` a tokenizers-backed one with ids 0..255 = the UTF-8 bytes and 256 = eos, see
+         ``transformers_byte_tokenizer``) and p2p_diloco_export.json (its checkpoint, round, checksum, peer, config).
 State:   none. ``out`` is written as ``out.tmp`` and renamed into place, so a failed export leaves no half directory.
 Failure: CheckpointError (one line naming the path and the problem) for no checkpoint at the path, a missing file,
          an unreadable or inconsistent one (checkpoint.py checks the checksum), no config to rebuild the model, a
-         config this version cannot read, tensors whose number or shapes do not fit the config's model, or a
-         non-finite anchor. DataError when the run's tokenizer cannot be loaded here (offline: a hub name that is
-         not in the local cache). ExportError when ``out`` is taken by something that is not an earlier export, or
-         is the checkpoint itself. Nothing is downloaded unless the run's config names a hub model or tokenizer.
+         seed, model or data section this version cannot read (the other sections are not read, so a checkpoint of
+         another version exports as long as those agree), tensors whose number or shapes do not fit the config's
+         model, or a non-finite anchor. DataError when the run's tokenizer cannot be loaded here (offline: a hub
+         name that is not in the local cache). ExportError when ``out`` is taken by something that is not an
+         earlier export, or is the checkpoint itself. Nothing is downloaded unless the config names a hub model or
+         tokenizer.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EXPORT_META = "p2p_diloco_export.json"
+_NEEDED = ("seed", "model", "data")  # the config sections an export reads
 _WHERE = "a peer's --log-dir, one of its checkpoints/round_NNNNNN directories or a simulation's --out"
 
 
@@ -61,7 +64,7 @@ class ExportError(ValueError):
 class AnchorModel:
     model: PreTrainedModel  # fp32, CPU, eval mode, parameters = the checkpoint's anchor
     tokenizer: Tokenizer  # the run's own (data.build_tokenizer)
-    config: Config
+    config: Config  # the run's seed, model and data sections (the others: defaults)
     checkpoint: Path
     round: int
     checksum: str
@@ -107,8 +110,10 @@ def _run_config(ckpt: Path, meta: dict[str, Any]) -> Config:
             f"checkpoint {ckpt} carries no config (no 'config' in {META}, no run_metadata.json beside it or one "
             "level up): the model's architecture and tokenizer are unknown"
         )
+    # Only what builds the model and the tokenizer: the other sections change between versions and do not matter here
+    needed = {key: tree[key] for key in _NEEDED if key in tree}
     try:
-        return config_from_dict(tree)
+        return config_from_dict(needed)
     except ConfigError as exc:
         raise CheckpointError(f"the config in {source} does not load with this version of p2p_diloco: {exc}") from None
 
@@ -249,7 +254,7 @@ def export_checkpoint(path: str | Path, out: str | Path, overwrite: bool = False
         "peer_id": loaded.meta.get("peer_id"),
         "fingerprint": loaded.meta.get("fingerprint"),
         "tokenizer": loaded.config.data.tokenizer,
-        "config": loaded.config.to_dict(),
+        "config": {key: value for key, value in loaded.config.to_dict().items() if key in _NEEDED},
     }
     (tmp / EXPORT_META).write_text(json.dumps(provenance, indent=2, default=str))
     if out.exists():

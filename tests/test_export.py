@@ -176,6 +176,11 @@ def _break(ckpt: Path, how: str) -> None:
         key, value = how.removeprefix("config ").split("=")
         tree["config"]["model"][key] = int(value)
         meta.write_text(json.dumps(tree))
+    elif how.startswith("unknown "):  # a key of another version of p2p_diloco
+        tree = json.loads(meta.read_text())
+        section, key = how.removeprefix("unknown ").split(".")
+        tree["config"][section][key] = 1
+        meta.write_text(json.dumps(tree))
     elif how == "no config":
         tree = json.loads(meta.read_text())
         del tree["config"]
@@ -193,6 +198,7 @@ def _break(ckpt: Path, how: str) -> None:
         ("config hidden_size=64", "anchor.0 has shape [257, 128] but model.embed_tokens.weight"),
         ("config num_layers=2", "holds 30 anchor tensors but the model its config describes"),
         ("no config", "carries no config"),
+        ("unknown model.attention_sinks", "unknown key model.attention_sinks"),  # it could change the architecture
     ],
 )
 def test_export_refuses_a_partial_or_corrupt_checkpoint(peer_log, tmp_path, capsys, how, says):
@@ -205,6 +211,12 @@ def test_export_refuses_a_partial_or_corrupt_checkpoint(peer_log, tmp_path, caps
     assert not (tmp_path / "out").exists()
     if how in ("not safetensors", "truncated"):  # from the log dir: the latest is refused, the others are named
         assert "round_000001" in _refused(capsys, log_dir, tmp_path / "out")
+
+
+def test_a_checkpoint_of_another_version_exports_when_its_model_and_data_agree(peer_log, tmp_path):
+    shutil.copytree(peer_log, tmp_path / "peer")
+    _break(tmp_path / "peer" / "checkpoints" / "round_000002", "unknown swarm.some_newer_option")
+    assert export_checkpoint(tmp_path / "peer", tmp_path / "export").round == 2
 
 
 def test_export_refuses_a_non_finite_anchor_and_places_that_hold_no_checkpoint(peer_log, tmp_path, capsys):
