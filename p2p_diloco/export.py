@@ -162,10 +162,10 @@ def load_anchor_model(path: str | Path) -> AnchorModel:
     try:
         state, meta = load_outer_state(ckpt)
     except CheckpointError as exc:
-        others = sorted(p.name for p in ckpt.parent.glob("round_*") if p.is_dir() and p != ckpt)
+        others = sorted(p.name for p in ckpt.parent.glob("round_*") if p.is_dir() and p != ckpt and "." not in p.name)
         if not ckpt.name.startswith("round_") or not others:
             raise
-        raise CheckpointError(f"{exc} (the other checkpoints beside it: {', '.join(others)})") from None
+        raise CheckpointError(f"{exc}; or give one of the other checkpoints beside it: {', '.join(others)}") from None
     cfg = _run_config(ckpt, meta)
     tokenizer = build_tokenizer(cfg.data)
     model = _architecture(cfg, tokenizer.vocab_size)
