@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["Config", "ConfigError", "load_config", "run_metadata", "write_run_metadata"]
+__all__ = ["Config", "ConfigError", "config_from_dict", "load_config", "run_metadata", "write_run_metadata"]
 
 
 class ConfigError(ValueError):
@@ -403,6 +403,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     for override in overrides:
         _apply_override(tree, override)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Build and validate a config from a tree of sections, e.g. ``Config.to_dict()`` as a checkpoint carries it."""
     cfg = _build(Config, tree, "")
     _check_ranges(cfg)
     return cfg
