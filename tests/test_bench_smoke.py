@@ -51,7 +51,8 @@ SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
         150,
     ),
     "test_join_smoke": ("join.py", lambda d: ["--out", str(d / "join.json")], 120),
-    "test_stragglers_smoke": ("stragglers.py", lambda d: ["--out", str(d / "stragglers.json")], 360),
+    "test_stragglers_smoke": ("stragglers.py", lambda d: ["--out", str(d / "stragglers.json")], 420),
+    "test_staleness_smoke": ("staleness.py", lambda d: ["--out", str(d / "staleness.json")], 120),
     "test_run_all_smoke_writes_into_its_results_dir": (
         "run_all.py",
         lambda d: ["--only", "inner", "--results", str(d / "results")],
@@ -185,9 +186,19 @@ def test_stragglers_smoke(smoke):
     _, out = smoke("test_stragglers_smoke")
     data = load(out / "stragglers.json", "stragglers")
     assert_rows_positive(data)
-    assert [c["slow_peer"] for c in data["cases"]] == [False, True, False, True], data["cases"]
+    assert [c["slow_peer"] for c in data["cases"]] == [False, True, False, True, True], data["cases"]
     for case in data["cases"]:  # every peer of every swarm trained and recorded rounds
         assert case["problem"] == "" and all(p["rounds_recorded"] > 0 for p in case["per_peer"]), case
+
+
+def test_staleness_smoke(smoke):
+    _, out = smoke("test_staleness_smoke")
+    data = load(out / "staleness.json", "staleness")
+    assert_rows_positive(data)
+    labels = [c["label"] for c in data["cases"]]
+    assert labels == ["equal speeds", "discarded (max_staleness 1)", "counted, decay 1", "round_seconds"], labels
+    discarded, counted = data["cases"][1], data["cases"][2]
+    assert discarded["contributed_tokens_per_worker"][-1] == 0 < counted["contributed_tokens_per_worker"][-1]
 
 
 @pytest.mark.timeout(240)

@@ -33,6 +33,7 @@ ITEMS = [
     ("compression_quality", "8. Quality per codec and overlap"),
     ("stragglers", "9. Uneven peers: one 3x slower"),
     ("join", "10. Joining: state download"),
+    ("staleness", "11. A straggler's delayed pseudo-gradient (simulated)"),
 ]
 
 
@@ -163,7 +164,8 @@ def render(results: Path) -> str:
         "machine with one GPU; items 7 and 8 take hours in full and run on their own: `scripts/bench/netlab.py` "
         "as root, `scripts/bench/compression_quality.py`; item 9 is `scripts/bench/stragglers.py`, about 10 minutes; "
         "item 10 is `scripts/bench/join.py --netlab` as root, about "
-        "4 minutes; `render.py` rebuilds this page from the results). Every "
+        "4 minutes; item 11 is `scripts/bench/staleness.py`, about 25 minutes; `render.py` rebuilds this page from "
+        "the results). Every "
         "figure is a ratio against a reference measured in the same run, on the same "
         "machine, interleaved where possible. Raw numbers: `scripts/bench/results/*.json`."
     )

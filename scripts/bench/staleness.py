@@ -1,16 +1,17 @@
-"""Item 10: the staleness rule for a straggler's delayed Δ, measured in the simulator at equal simulated time.
+"""Item 11: the staleness rule for a straggler's delayed Δ, measured in the simulator at equal simulated time.
 
 Usage:
     python scripts/bench/staleness.py                        # tiny, 3 workers, one 3x slower, 40 rounds, iid + by-label
     python scripts/bench/staleness.py --rounds 40 --slowdown 3 --partitions iid,by-label
-    python scripts/bench/staleness.py --smoke [--out DIR/staleness.json]   # 2 rounds of 2 steps per case
+    python scripts/bench/staleness.py --smoke [--out DIR/staleness.json]   # 3 rounds of 2 steps per case
 
 With fixed H and one worker ``--slowdown`` times slower, nobody waits for it (simulate.py: a group forms as soon as
 two workers are ready), so its Δ reaches a group ``slowdown - 1`` rounds late. Cases, each run_simulation on the
 tiny preset with ``--workers`` workers for ``--rounds`` rounds of the fast workers (the same simulated seconds):
     equal speeds                  no straggler: the reference
-    discarded (max_staleness 1)   the straggler's delayed Δ never counts: it resyncs every time (the old rule)
-    counted, decay A              max_staleness ``--max-staleness``, its Δ at (1 + staleness) ** -A of its tokens,
+    discarded (max_staleness S-1) the straggler's delayed Δ (S = round(slowdown) - 1 rounds late) never counts: it
+                                  resyncs every time
+    counted, decay A              max_staleness ``--max-staleness`` (at least S), its Δ at (1 + S) ** -A of its tokens,
                                   for each A of ``--decays``
     round_seconds                 time-budgeted rounds instead (inner.round_seconds = H / fast speed)
 for each data partition of ``--partitions`` (by-label: each worker's shard holds other documents, so what the
@@ -45,13 +46,18 @@ DEFAULTS = {
     "decays": "0,0.5,1",
     "partitions": "iid,by-label",
 }
-SMOKE = {**DEFAULTS, "rounds": 2, "h": 2, "decays": "1", "partitions": "iid"}
+SMOKE = {**DEFAULTS, "rounds": 3, "h": 2, "decays": "1", "partitions": "iid"}
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, list[str], bool]]:
-    """(label, overrides, whether the last worker is slow) per case."""
-    stale = f"swarm.max_staleness={args.max_staleness}"
-    cases = [("equal speeds", [], False), ("discarded (max_staleness 1)", ["swarm.max_staleness=1"], True)]
+    """(label, overrides, whether the last worker is slow) per case. A straggler ``slowdown`` times slower reaches
+    a group ``round(slowdown) - 1`` rounds behind; max_staleness one less discards its Δ."""
+    late = max(1, round(args.slowdown) - 1)
+    stale = f"swarm.max_staleness={max(late, args.max_staleness)}"
+    cases = [
+        ("equal speeds", [], False),
+        (f"discarded (max_staleness {late - 1})", [f"swarm.max_staleness={late - 1}"], True),
+    ]
     for decay in args.decays.split(","):
         cases.append((f"counted, decay {decay}", [stale, f"swarm.staleness_decay={decay}"], True))
     cases.append(("round_seconds", [f"inner.round_seconds={args.h}"], True))
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.data["cases"] = cases
     rec.notes.append(
         "Simulated (run_simulation's clock): equal simulated time, the same data, one seed. A straggler 3x slower "
-        "reaches a group 2 rounds behind it (fixed H, nobody waits); 'discarded' is the old max_staleness 1."
+        "reaches a group 2 rounds behind (fixed H, nobody waits), one 2x slower 1 round behind."
     )
     path = rec.write(args.out)
     print(f"wrote {path}")
