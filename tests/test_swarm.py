@@ -226,7 +226,7 @@ def test_fixed_h_fast_peers_do_not_wait_for_a_straggler_whose_delayed_delta_stil
     boot, initial = start_bootstrap(spawn)
     sets = [
         "train.rounds=8",
-        "inner.steps=40",
+        "inner.steps=60",
         "data.num_shards=3",
         "swarm.max_staleness=3",
         "swarm.start_peers=3",

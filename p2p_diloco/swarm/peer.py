@@ -229,15 +229,16 @@ class TrainingPeer:
     def _announce_ready(self, done: int, began: float) -> None:
         """Announce when this round's inner steps will end (DHT time, which is the wall clock): the round's end under
         inner.round_seconds; else at the last full round's pace (a throttled or shared machine's first steps say
-        little), or this round's so far. Mates ready up to half a round (at least 1 s) later are waited for (join.py):
-        peers of equal speed on a shared machine end their rounds that far apart; one 2x slower or more is not."""
-        now, steps = time.time(), self.cfg.inner.steps
+        little), or this round's so far. Mates ready up to half a round later are waited for (join.py), and at least
+        half of swarm.matchmaking_time (peers of equal speed on a loaded machine end their rounds seconds apart; one
+        a few seconds late would otherwise miss the group and arrive a round behind); one 2x slower or more is not."""
+        now, steps, wait = time.time(), self.cfg.inner.steps, 0.5 * self.cfg.swarm.matchmaking_time
         if self.cfg.inner.round_seconds > 0:
             self.members.expect_ready(self.worker.round_ends_at, 0.2 * self.cfg.inner.round_seconds)
             return
         pace = (now - began) / done if self._step_seconds is None or done > 1 else self._step_seconds
         self.members.expect_ready(
-            began + pace * steps if done == 1 else now + pace * (steps - done), max(1.0, 0.5 * pace * steps)
+            began + pace * steps if done == 1 else now + pace * (steps - done), max(0.5 * pace * steps, wait)
         )
 
     def run(self) -> int:
