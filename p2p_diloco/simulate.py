@@ -426,7 +426,7 @@ def _straggler_rounds(
         mine = [work[k] for k in group]
         averaged = _aggregate(cfg, mine, _Attack("none", 1.0), stats, [factors.get(names[k]) for k in group])
         sent = wire_bytes_sent(cfg, [a.shape for a in pool[0].state.anchor], len(group))
-        top = majority_tag(gathered, rules.max_staleness)
+        top = majority_tag(gathered)
         first = sorted(group, key=lambda k: (work[k].payload.tag != top, k))  # in-sync members settle first
         shown: RoundResult | None = None
         for k in first:

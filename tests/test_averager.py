@@ -248,8 +248,10 @@ def test_non_finite_input_raises_before_any_network_work(lone_peer):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("third_tag", "counted"), [([1, "old"], [0, 1]), ([2, "old"], [0, 1, 2])])
 def test_members_out_of_sync_count_only_when_one_round_behind(spawn, third_tag, counted):
-    """Gathered tags [3, 3, x]: x two rounds behind averages with weight 0; one round behind still counts."""
-    states = {0: {"tag": [3, "abc"]}, 1: {"tag": [3, "abc"]}, 2: {"tag": third_tag}}
+    """Gathered tags [3, 3, x] under max_staleness 1, staleness_decay 0: x two rounds behind averages with weight 0;
+    one round behind still counts, in full."""
+    rules = {"rules": {"max_staleness": 1, "staleness_decay": 0.0}}
+    states = {0: {"tag": [3, "abc"], **rules}, 1: {"tag": [3, "abc"], **rules}, 2: {"tag": third_tag, **rules}}
     peers = start_swarm(spawn, 3, per_peer=states)
     for peer in peers:
         peer.send("REDUCE 1.0")

@@ -59,7 +59,7 @@ CASES = [
     ("tie, the other side", A5, group(A5, B5), True, LOCAL, Action.LOCAL_STEP, False, None),
     ("tie across rounds: one behind, catches up", A4, group(A4, A5), True, LOCAL, Action.CATCH_UP, True, A5),
     ("tie across rounds: the one in sync applies", A5, group(A5, A4), True, LOCAL, Action.APPLY, True, A5),
-    ("tie across rounds beyond max_staleness", A4, group(A4, A5), True, STRICT, Action.LOCAL_STEP, False, None),
+    ("tie across rounds, max_staleness 0: resync", A4, group(A4, A5), True, STRICT, Action.RESYNC, False, A5),
     (
         "tie of a pair with one behind and one diverged",
         A4,

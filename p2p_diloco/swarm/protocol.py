@@ -28,7 +28,7 @@ payloads, so every member of a group reaches the same view of who counts. Its ta
                                                                                   the outer state
   complete    no majority: the most common tags tie          as incomplete: local_step or discard, and nobody's
               (unless one is the furthest round and the                   Δ counts in the group's mean
-              others at most max_staleness behind it: then
+              others at most MAX_STALENESS behind it: then
               it is the majority)
   incomplete  alone, no group, or a failed all-reduce        local_step  own Δ     alone_policy local: outer step
                                                                                   with the own Δ, then take a
@@ -36,11 +36,11 @@ payloads, so every member of a group reaches the same view of who counts. Its ta
   incomplete  (the same)                                     discard     -         alone_policy wait
 The majority tag is the one most valid payloads carry. A tie is no majority: otherwise one peer claiming a
 far-ahead round would win every group of two (threat-model.md), so a tied group's mean is not applied by anyone.
-Except a tie across rounds within max_staleness: that is a straggler grouped with a peer in sync (seen in a group
-of two, where the tie made both take local steps and fall out of sync), so the furthest round wins. A liar gains
-nothing by it: claiming a round up to max_staleness ahead makes its partner catch up to a state nobody else vouches
-for (refused: it resyncs, as after a tie), and one behind makes its Δ count at a stale weight, less than claiming
-the partner's own tag (which it can read in the DHT) would.
+Except a tie across rounds within MAX_STALENESS: that is a straggler grouped with a peer in sync (seen in a group
+of two, where the tie made both take local steps and fall out of sync), so the furthest round wins and the
+straggler catches up or resyncs. A liar gains nothing by it: claiming a round up to MAX_STALENESS ahead makes its
+partner catch up to a state nobody else vouches for (refused: it resyncs, as after a tie), and one behind makes its
+Δ count at a stale weight at most, less than claiming the partner's own tag (which it can read in the DHT) would.
 
 A delayed Δ (a straggler's, trained from an outer state ``s`` rounds older than the group's: ``staleness``) counts
 in the group's mean with ``RoundRules.stale_weight(s)`` = (1 + s) ** -staleness_decay times its tokens (1 for an
@@ -153,9 +153,9 @@ class RoundRules:
     """The config values ``decide`` reads (``swarm.max_staleness``, ``swarm.staleness_decay``,
     ``swarm.alone_policy``)."""
 
-    max_staleness: int = 1
+    max_staleness: int = 0
     alone_policy: str = "local"
-    staleness_decay: float = 0.0
+    staleness_decay: float = 1.0
 
     def __post_init__(self) -> None:
         if not (_count(self.max_staleness) and self.max_staleness <= MAX_STALENESS):
@@ -181,7 +181,7 @@ class RoundRules:
     def weight_factors(self, gathered: Gathered) -> dict[str, float]:
         """{peer id: its weight factor} for the members whose Δ counts in the group's mean (``decide``), the same
         on every member of the group; the others are absent (weight 0)."""
-        top = majority_tag(gathered, self.max_staleness) if gathered.payloads else None
+        top = majority_tag(gathered) if gathered.payloads else None
         out = {}
         for peer, payload in gathered.payloads.items():
             if decide(payload.tag, gathered, True, self).counts and top is not None:
@@ -209,10 +209,10 @@ class Decision:
     out_of_sync: int = 0
 
 
-def majority_tag(gathered: Gathered, max_staleness: int = 0) -> RoundTag | None:
+def majority_tag(gathered: Gathered, within: int = MAX_STALENESS) -> RoundTag | None:
     """The tag more valid payloads carry than any other; None when there is none (no valid payload, or a tie). A
-    tie between a furthest round and tags at most ``max_staleness`` rounds behind it goes to the furthest: those
-    are stragglers (a group of two: one in sync, one delayed), while a far-ahead claim still wins nothing."""
+    tie between a furthest round and tags at most ``within`` rounds behind it goes to the furthest: those are
+    stragglers (a group of two: one in sync, one delayed), while a far-ahead claim still wins nothing."""
     ranked = Counter(p.tag for p in gathered.payloads.values()).most_common()
     if not ranked:
         return None
@@ -221,7 +221,7 @@ def majority_tag(gathered: Gathered, max_staleness: int = 0) -> RoundTag | None:
         return tied[0]
     furthest = max(tied, key=lambda tag: tag.round)
     behind = [furthest.round - tag.round for tag in tied if tag != furthest]
-    return furthest if all(0 < b <= max_staleness for b in behind) else None
+    return furthest if all(0 < b <= within for b in behind) else None
 
 
 def _alone(why: str, rules: RoundRules, counts: bool) -> Decision:
@@ -236,7 +236,7 @@ def decide(mine: RoundTag, gathered: Gathered, complete: bool, rules: RoundRules
     dropped = f"; {gathered.malformed} malformed payload(s) dropped" if gathered.malformed else ""
     if not complete:
         return _alone("no complete all-reduce", rules, True)
-    top = majority_tag(gathered, rules.max_staleness) if gathered.payloads else mine
+    top = majority_tag(gathered) if gathered.payloads else mine
     if top is None:
         return _alone(f"the group's tags tie, so there is no majority{dropped}", rules, False)
     odd = sum(1 for p in gathered.payloads.values() if p.tag != top)
