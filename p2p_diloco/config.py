@@ -119,7 +119,7 @@ class SwarmConfig:
     # A straggler up to max_staleness rounds behind the group still counts (a delayed pseudo-gradient, its tokens x
     # (1 + staleness) ** -staleness_decay) and catches up; further behind, it resyncs and its round is lost. Both
     # are part of the fingerprint. 0 by default: in docs/stragglers.md every counted variant cost eval loss against
-    # discarding (+1.7% to +2.8% at full weight, 1 or 2 rounds late; about +1.2% at decay 1), although counting
+    # discarding (+0.9% to +2.8% at full weight, 1 or 2 rounds late; -0.15% to +2.2% at decay 1), although counting
     # recovered part of the straggler's own data when shards differ (by-label: its label -1.6% to -3.5%). Set it to
     # 1 or 2 to keep a slow volunteer's data in the model; decay 1 was the least costly weight.
     max_staleness: int = 0
