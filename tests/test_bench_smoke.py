@@ -52,6 +52,7 @@ SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
     ),
     "test_join_smoke": ("join.py", lambda d: ["--out", str(d / "join.json")], 120),
     "test_stragglers_smoke": ("stragglers.py", lambda d: ["--out", str(d / "stragglers.json")], 360),
+    "test_threads_smoke": ("threads.py", lambda d: ["--out", str(d / "threads.json")], 240),
     "test_run_all_smoke_writes_into_its_results_dir": (
         "run_all.py",
         lambda d: ["--only", "inner", "--results", str(d / "results")],
@@ -188,6 +189,15 @@ def test_stragglers_smoke(smoke):
     assert [c["slow_peer"] for c in data["cases"]] == [False, True, False, True], data["cases"]
     for case in data["cases"]:  # every peer of every swarm trained and recorded rounds
         assert case["problem"] == "" and all(p["rounds_recorded"] > 0 for p in case["per_peer"]), case
+
+
+@pytest.mark.timeout(300)
+def test_threads_smoke(smoke):
+    _, out = smoke("test_threads_smoke")
+    data = load(out / "threads.json", "threads")
+    assert_rows_positive(data)
+    assert len(data["rows"]) == 4, data["rows"]  # 2 cases beside the busy process, then 1 vs default twice
+    assert data["blocks"]["1"]["1"]["torch_threads"] == 1, data["blocks"]
 
 
 @pytest.mark.timeout(240)
