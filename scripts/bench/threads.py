@@ -38,6 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import ROOT, Recorder, exit_on_sigterm, fill_defaults, load_now, median  # noqa: E402
 
 CASES = ("default", "auto", "1", "default-passive")
+LABELS = {
+    "default": "torch's default",
+    "auto": "--threads 0 (auto)",
+    "1": "--threads 1",
+    "default-passive": "torch's default with OMP_WAIT_POLICY=PASSIVE",
+}
 DEFAULTS: dict[str, Any] = {"case": list(CASES), "busy": 1, "rounds": 2, "workers": 4, "repeats": 1, "overrides": []}
 SMOKE: dict[str, Any] = {
     "case": ["default", "1"],
@@ -105,6 +111,10 @@ def run_block(busy: int, args: argparse.Namespace, tmp: Path) -> dict[str, dict[
     }
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--case", action="append", choices=CASES, default=None, help=f"repeatable (default: all of {CASES})")
@@ -127,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             blocks[str(busy)] = run_block(busy, args, Path(tmp))
     rec.data["blocks"] = blocks
     alone, beside = blocks["0"], blocks[str(args.busy)]
-    what = f"{Path(args.config).stem}, {args.workers} workers, {args.rounds} rounds"
+    what = f"{Path(args.config).stem}, {args.workers} workers, {args.rounds} round{'s' if args.rounds != 1 else ''}"
     for case in args.case:
         a, b = alone[case], beside[case]
         rec.add(
-            figure=f"{what}, {case} ({b['torch_threads']} threads): wall time beside {args.busy} busy process(es)",
+            figure=f"{what}, {LABELS[case]} ({_threads(b['torch_threads'])}): wall time beside {args.busy} busy "
+            "process(es)",
             value=b["wall_seconds"],
             unit="s",
             reference="the same alone",
@@ -144,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             figure=f"{what}, beside {args.busy} busy process(es): --threads 1",
             value=beside["1"]["wall_seconds"],
             unit="s",
-            reference=f"torch's default ({beside['default']['torch_threads']} threads)",
+            reference=f"torch's default ({_threads(beside['default']['torch_threads'])})",
             reference_value=beside["default"]["wall_seconds"],
             ratio=beside["default"]["wall_seconds"] / beside["1"]["wall_seconds"],
             ratio_kind="x faster",
         )
         rec.add(
-            figure=f"{what}, alone: torch's default ({alone['default']['torch_threads']} threads)",
+            figure=f"{what}, alone: torch's default ({_threads(alone['default']['torch_threads'])})",
             value=alone["default"]["wall_seconds"],
             unit="s",
             reference="--threads 1",
