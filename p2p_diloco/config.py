@@ -103,6 +103,9 @@ class TrainConfig:
     rounds: int = 40  # rounds to run (each: inner.steps inner steps, one all-reduce, one outer step)
     eval_every: int = 1  # rounds between eval-loss measurements; 0 disables
     checkpoint_every: int = 10  # rounds between checkpoints; 0 disables
+    # torch CPU threads of this process (p2p_diloco/threads.py); 0: auto, OMP_NUM_THREADS when set, else the cores
+    # this process may use (affinity, cgroup quota). Not in the fingerprint: peers may differ. --threads overrides.
+    threads: int = 0
 
 
 @dataclass
@@ -250,6 +253,7 @@ def _check_ranges(cfg: Config) -> None:
     need(t.rounds >= 1, "train.rounds", t.rounds, ">= 1")
     need(t.eval_every >= 0, "train.eval_every", t.eval_every, ">= 0")
     need(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, ">= 0")
+    need(t.threads >= 0, "train.threads", t.threads, ">= 0 (0: auto, from the cores this process may use)")
     need(
         bool(s.run_id) and "." not in s.run_id and " " not in s.run_id,
         "swarm.run_id",

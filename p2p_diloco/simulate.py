@@ -4,6 +4,7 @@ Usage:
     run_simulation --config configs/tiny.yaml --mode diloco --workers 4 --out runs/sim
     run_simulation --config configs/tiny.yaml --mode sync --workers 4 --out runs/sync --set inner.steps=50
     run_simulation --config configs/tiny.yaml --workers 3 --speeds 1,1,0.33 --set inner.round_seconds=25 --out runs/t
+    run_simulation --config configs/tiny.yaml --out runs/sim --threads 1    # beside other work on a shared machine
 
 Modes (all see the same tokens: K shards x H steps x B x T per round):
     diloco  K workers, H inner steps each, in-process weighted mean of Δ, Nesterov outer step
@@ -29,6 +30,10 @@ member's Δ counts as ``protocol.decide`` says (a straggler up to ``swarm.max_st
 member starts its next round from the group's new state; the others keep training. ``simulated_seconds`` in
 results.json is that clock, for comparisons at equal time; ``contributed_tokens_per_worker`` and
 ``lost_rounds_per_worker`` say whose work counted.
+
+Threads: ``--threads N`` (or ``train.threads``; 0, the default: auto) sets torch's CPU threads before anything is
+built (p2p_diloco/threads.py): the K workers take turns in this process, so auto gives every one of them all the
+cores this process may use. ``simulate()`` itself leaves torch's threads as its caller set them.
 
 Inputs:  a config file + overrides; the data pipeline is built with data.num_shards = K.
 Output:  OUT/results.json (final_eval_loss, eval_loss_per_round, tokens_per_worker, simulated_seconds,
@@ -65,6 +70,7 @@ from p2p_diloco.inner import InnerStats, NonFiniteLossError
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
 from p2p_diloco.robust import AggregateStats, aggregate_flat, max_round_tokens, trusted_weight
 from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag
+from p2p_diloco.threads import apply_threads
 
 __all__ = ["ATTACKS", "MODES", "simulate", "main"]
 
@@ -158,7 +164,9 @@ def simulate(
     data = DataPipeline(cfg.data, cfg.seed)
     eval_sets = data.eval_sets()
     shards = [data.train_batches(k, cfg.seed) for k in range(workers)]
-    write_run_metadata(out, cfg, mode=mode, workers=workers, shard_histograms=data.histograms())
+    write_run_metadata(
+        out, cfg, mode=mode, workers=workers, torch_threads=torch.get_num_threads(), shard_histograms=data.histograms()
+    )
 
     if mode in ("diloco", "fedavg"):
         pool = [Worker(cfg, data.vocab_size, it, speed=(speeds or [1.0] * workers)[k]) for k, it in enumerate(shards)]
@@ -500,10 +508,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S1,S2,...",
         help="inner steps per simulated second of each worker (module doc)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (overrides train.threads; 0: auto, the cores this process may use, or OMP_NUM_THREADS "
+        "when set); on a machine where other work runs, give the cores it leaves free",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    overrides = [*args.overrides, *([f"train.threads={args.threads}"] if args.threads is not None else [])]
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
+        apply_threads(cfg.train.threads)  # the workers take turns: one process's worth of threads (threads.py)
         speeds = _speeds(args.speeds)
         results = simulate(cfg, args.mode, args.workers, args.out, args.attack, args.attack_scale, speeds)
     except (ConfigError, DataError) as exc:

@@ -9,6 +9,8 @@ Usage:
     # a closed run (swarm.authorized_keys): make a key once, send the printed line to the organiser, train with it
     run_peer --identity-path me.key --print-public-key
     run_peer --identity-path me.key --initial-peers ... --config ... --log-dir runs/me
+    # on a machine where other work runs: fewer torch threads than cores (default: the cores this process may use)
+    run_peer --initial-peers ... --config ... --log-dir runs/me --threads 1
     # behind NAT: the peer checks at start whether others can dial it and, if not, runs as a client (it trains and
     # contributes, but never leads or reduces); force either way with --client-mode / --no-client-mode
     run_peer --initial-peers ... --config ... --log-dir runs/me --client-mode --use-auto-relay
@@ -38,6 +40,7 @@ from p2p_diloco.swarm.dht import (
 )
 from p2p_diloco.swarm.identity import Identity, IdentityError
 from p2p_diloco.swarm.peer import PeerOptions, RoundsFailing, TrainingPeer
+from p2p_diloco.threads import apply_threads
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +56,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-dir", type=Path, help="metrics.jsonl, run metadata and checkpoints (required to train)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --log-dir")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (overrides train.threads; 0: auto, the cores this process may use, or OMP_NUM_THREADS "
+        "when set); on a machine where other work runs, give the cores it leaves free",
+    )
     p.add_argument("--host-maddrs", nargs="*", default=None, help="listen addresses (default /ip4/0.0.0.0/tcp/0)")
     p.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses, when behind NAT")
     p.add_argument("--identity-path", default=None, help="key file for a stable peer id (created if missing)")
@@ -119,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_public_key:
             return print_public_key(args.identity_path)
         initial = parse_initial_peers(initial)  # fail fast, before the data and the model are built
-        cfg = load_config(args.config, args.overrides)
+        threads = [f"train.threads={args.threads}"] if args.threads is not None else []
+        cfg = load_config(args.config, [*args.overrides, *threads])
+        apply_threads(cfg.train.threads)  # before the data and the model are built
         opts = PeerOptions(
             initial_peers=initial,
             log_dir=args.log_dir,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from p2p_diloco.config import load_config
 from p2p_diloco.simulate import simulate
+from p2p_diloco.threads import apply_threads
 
 
 def _run(name: str, config: str, mode: str, overrides: list[str], workers: int, out: Path) -> dict:
@@ -45,8 +46,12 @@ def main() -> None:
     p.add_argument("--points", nargs="*", default=[], help="explicit lr:momentum:warmup points")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--skip-baselines", action="store_true")
+    p.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0: auto, threads.py)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.threads < 0:
+        raise SystemExit(f"--threads {args.threads} is invalid: must be >= 0 (0: auto, from the cores available)")
+    apply_threads(args.threads)  # the runs go one after the other, in this process
     points = [tuple(float(x) for x in s.split(":")) for s in args.points]
     points += list(itertools.product(args.lr, args.momentum, args.warmup))
     rows = []

@@ -53,6 +53,7 @@ SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
     "test_join_smoke": ("join.py", lambda d: ["--out", str(d / "join.json")], 120),
     "test_stragglers_smoke": ("stragglers.py", lambda d: ["--out", str(d / "stragglers.json")], 420),
     "test_staleness_smoke": ("staleness.py", lambda d: ["--out", str(d / "staleness.json")], 120),
+    "test_threads_smoke": ("threads.py", lambda d: ["--out", str(d / "threads.json")], 240),
     "test_run_all_smoke_writes_into_its_results_dir": (
         "run_all.py",
         lambda d: ["--only", "inner", "--results", str(d / "results")],
@@ -199,6 +200,15 @@ def test_staleness_smoke(smoke):
     assert labels == ["equal speeds", "discarded (max_staleness 1)", "counted, decay 1", "round_seconds"], labels
     discarded, counted = data["cases"][1], data["cases"][2]
     assert discarded["contributed_tokens_per_worker"][-1] == 0 < counted["contributed_tokens_per_worker"][-1]
+
+
+@pytest.mark.timeout(300)
+def test_threads_smoke(smoke):
+    _, out = smoke("test_threads_smoke")
+    data = load(out / "threads.json", "threads")
+    assert_rows_positive(data)
+    assert len(data["rows"]) == 4, data["rows"]  # 2 cases beside the busy process, then 1 vs default twice
+    assert data["blocks"]["1"]["1"]["torch_threads"] == 1, data["blocks"]
 
 
 @pytest.mark.timeout(240)

@@ -42,6 +42,8 @@ def test_overrides_apply_in_order_and_parse_yaml_values():
         ("outer.momentum=1.0", "outer.momentum", "[0, 1)"),
         ("outer.momentum=-0.1", "outer.momentum", "[0, 1)"),
         ("train.rounds=0", "train.rounds", ">= 1"),
+        ("train.threads=-1", "train.threads", ">= 0 (0: auto"),
+        ("train.threads=1.5", "train.threads", "expected int"),
         ("inner.schedule=linear", "inner.schedule", "cosine"),
         ("data.partition=random", "data.partition", "dirichlet"),
         ("data.dirichlet_alpha=0", "data.dirichlet_alpha", "> 0"),

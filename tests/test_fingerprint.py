@@ -132,6 +132,7 @@ def test_the_model_architecture_is_part_of_it() -> None:
         ["data.batch_size=4", "data.eval_batches=1"],
         ["inner.lr=0.01", "inner.warmup_steps=0", "inner.grad_accum=2"],
         ["train.rounds=3", "train.eval_every=0", "train.checkpoint_every=0"],
+        ["train.threads=1"],
     ],
 )
 def test_the_digest_ignores_what_each_peer_may_choose_alone(overrides: list[str]) -> None:

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, save_round
 from p2p_diloco.config import Config, write_run_metadata
 from p2p_diloco.data import DataPipeline, shard_for_peer
@@ -169,6 +171,7 @@ class TrainingPeer:
             shard_index=shard,
             fingerprint=fingerprint,
             fingerprint_summary=summary,
+            torch_threads=torch.get_num_threads(),
             shard_histograms=self.data.histograms(),
         )
         log.info(

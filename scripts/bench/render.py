@@ -4,10 +4,10 @@ Usage:
     python scripts/bench/render.py [--results scripts/bench/results] [--out BENCHMARKS.md]
 
 Reads ``<item>.json`` for the items inner, allreduce, utilisation, comm_quality, memory (and gpu_inner,
-gpu_swarm when gpu.sh ran; netlab, compression_quality and join when they ran), plus ``run_all.json`` (total
-runtime, load). Every table row shows the figure, its reference measured in the same run, the ratio, the
-machine and the date. Missing results are listed as not run; results of a ``--smoke`` run (tiny sizes, to check
-the scripts) are flagged as such in the text. Nothing is measured here.
+gpu_swarm when gpu.sh ran; netlab, compression_quality, stragglers, join and threads when they ran), plus
+``run_all.json`` (total runtime, load). Every table row shows the figure, its reference measured in the same run,
+the ratio, the machine and the date. Missing results are listed as not run; results of a ``--smoke`` run (tiny
+sizes, to check the scripts) are flagged as such in the text. Nothing is measured here.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ ITEMS = [
     ("stragglers", "9. Uneven peers: one 3x slower"),
     ("join", "10. Joining: state download"),
     ("staleness", "11. A straggler's delayed pseudo-gradient (simulated)"),
+    ("threads", "12. Threads on a shared machine"),
 ]
 
 
@@ -164,8 +165,8 @@ def render(results: Path) -> str:
         "machine with one GPU; items 7 and 8 take hours in full and run on their own: `scripts/bench/netlab.py` "
         "as root, `scripts/bench/compression_quality.py`; item 9 is `scripts/bench/stragglers.py`, about 10 minutes; "
         "item 10 is `scripts/bench/join.py --netlab` as root, about "
-        "4 minutes; item 11 is `scripts/bench/staleness.py`, about 25 minutes; `render.py` rebuilds this page from "
-        "the results). Every "
+        "4 minutes; item 11 is `scripts/bench/staleness.py`, about 25 minutes; item 12 is `scripts/bench/threads.py`, "
+        "a few minutes; `render.py` rebuilds this page from the results). Every "
         "figure is a ratio against a reference measured in the same run, on the same "
         "machine, interleaved where possible. Raw numbers: `scripts/bench/results/*.json`."
     )

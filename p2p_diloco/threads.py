@@ -1,0 +1,149 @@
+"""How many CPU threads torch uses: chosen from the cores this process may use, not from the machine's.
+
+Inputs:  ``train.threads`` (or ``--threads``): N > 0 uses N threads; 0 (auto) uses OMP_NUM_THREADS when it is set
+         (the launcher's choice: scripts/local_swarm.sh and scripts/procs.py give each peer 1), else the cores
+         this process may use (its CPU affinity, capped by the cgroup CPU quota where there is one: a container
+         started with ``--cpus 2`` on a 64-core host gets 2, where torch's own default would start 32-64 threads),
+         divided among the processes that share them, at least 1.
+Output:  :func:`apply_threads` sets ``torch.set_num_threads`` (and the inter-op pool where torch still allows it)
+         and logs the choice once: ``torch threads: 2 (2 cores available, 1 worker)``. :func:`auto_threads`,
+         :func:`cgroup_quota`, :func:`choose_threads` and :func:`busy_warning` are the parts that decide, taking
+         their inputs as arguments (the cgroup directory, the affinity, the environment, the load).
+State:   none of its own; torch's thread settings are process-wide.
+Failure: ValueError for a negative count or fewer than 1 worker; an unreadable cgroup file counts as no quota.
+
+Why it matters on a shared machine: torch's CPU ops run as OpenMP parallel regions that end in a barrier, so an
+op takes as long as its slowest thread. When another process holds one of the cores, the thread that shares that
+core gets a fraction of it and every op waits for it; run_simulation on configs/tiny.yaml with 2 threads beside
+one busy process took several times longer than with 1 thread (BENCHMARKS.md item 11, scripts/bench/threads.py).
+The affinity and the quota do not show other processes, so auto cannot see them either; :func:`apply_threads`
+warns when the load average says the machine is busier than the threads it chose leave room for, and says what
+``--threads`` to try.
+
+Workers: run_simulation's K workers take turns in one process (each worker's inner steps, then the next's), so
+each of them uses every core while it runs and a simulation counts as 1 worker here; splitting the cores K ways
+would only leave them idle (1 thread instead of 2 made tiny 1.5x slower on 2 idle cores). ``workers`` is for a
+caller that runs several trainings at the same time (simulations in parallel processes, several peers sharing
+one machine without OMP_NUM_THREADS): each gets cores // workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["apply_threads", "auto_threads", "busy_warning", "cgroup_quota", "choose_threads"]
+
+log = logging.getLogger("p2p_diloco.threads")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_quota(root: Path = CGROUP_ROOT) -> float | None:
+    """The cgroup CPU quota in cores (quota / period), or None when there is none or it cannot be read.
+
+    cgroup v2: ``root/cpu.max`` holds ``"max 100000"`` (no quota) or ``"200000 100000"`` (2 cores). cgroup v1:
+    ``root/cpu/cpu.cfs_quota_us`` (-1: no quota) and ``root/cpu/cpu.cfs_period_us``.
+    """
+    try:
+        fields = (root / "cpu.max").read_text().split()
+        if fields and fields[0] != "max" and len(fields) == 2:
+            return _ratio(fields[0], fields[1])
+        if fields:
+            return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+        period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+    except OSError:
+        return None
+    return _ratio(quota, period)
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def auto_threads(affinity: int, quota: float | None, workers: int = 1) -> int:
+    """``min(affinity, floor(quota))`` cores (at least 1) divided among ``workers``, at least 1.
+
+    The quota is rounded down: threads beyond it are throttled together with the others at the end of each period.
+    """
+    if workers < 1:
+        raise ValueError(f"workers={workers} is invalid: must be >= 1")
+    cores = _usable(affinity, quota)
+    return max(1, cores // workers)
+
+
+def _usable(affinity: int, quota: float | None) -> int:
+    cores = max(1, affinity)
+    if quota is not None and quota > 0:
+        cores = min(cores, max(1, math.floor(quota)))
+    return cores
+
+
+def choose_threads(
+    requested: int,
+    affinity: int,
+    quota: float | None,
+    workers: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> tuple[int, str]:
+    """The thread count for ``requested`` (0: auto) and why, as the log line shows it after the count."""
+    if requested < 0:
+        raise ValueError(f"threads={requested} is invalid: must be >= 0 (0: auto, from the cores available)")
+    if requested > 0:
+        return requested, "set by --threads or train.threads"
+    omp = (env if env is not None else os.environ).get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), f"OMP_NUM_THREADS={omp}"
+    cores = _usable(affinity, quota)
+    limit = f", cgroup quota {quota:g}" if quota is not None and math.floor(quota) < max(1, affinity) else ""
+    plural = "s" if workers != 1 else ""
+    return auto_threads(affinity, quota, workers), f"{cores} cores available{limit}, {workers} worker{plural}"
+
+
+def busy_warning(threads: int, cpus: int, load: float) -> str | None:
+    """A warning when the 1-minute load average (``load``, of other work: ours has barely started) leaves fewer
+    idle CPUs than ``threads``; None otherwise."""
+    idle = cpus - load
+    if threads <= 1 or idle >= threads - 0.5:
+        return None
+    suggest = max(1, math.floor(idle + 0.5))
+    return (
+        f"the machine is busy (load average {load:.1f} on {cpus} CPUs): with {threads} torch threads each op waits "
+        f"for a thread that shares a core with other work, which can make training several times slower; "
+        f"try --threads {suggest}"
+    )
+
+
+def apply_threads(requested: int, workers: int = 1) -> int:
+    """Choose (see :func:`choose_threads`), set torch's intra-op threads and, where still allowed, its inter-op
+    threads; log the choice; return the count."""
+    import torch
+
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_quota()
+    threads, why = choose_threads(requested, affinity, quota, workers)
+    torch.set_num_threads(threads)
+    try:  # raises once inter-op work has started or it was set before; the inter-op pool is idle in training
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:
+        log.debug("torch inter-op threads left at %d (already in use)", torch.get_num_interop_threads())
+    log.info("torch threads: %d (%s)", threads, why)
+    cores = _usable(affinity, quota)
+    if threads > cores:
+        log.warning("%d torch threads on %d cores wait for each other: try --threads %d", threads, cores, cores)
+    elif requested == 0 and hasattr(os, "getloadavg"):
+        warning = busy_warning(threads, os.cpu_count() or affinity, os.getloadavg()[0])
+        if warning:
+            log.warning(warning)
+    return threads
