@@ -15,7 +15,7 @@ Failure: ValueError for a negative count or fewer than 1 worker; an unreadable c
 Why it matters on a shared machine: torch's CPU ops run as OpenMP parallel regions that end in a barrier, so an
 op takes as long as its slowest thread. When another process holds one of the cores, the thread that shares that
 core gets a fraction of it and every op waits for it; run_simulation on configs/tiny.yaml with 2 threads beside
-one busy process took several times longer than with 1 thread (BENCHMARKS.md item 11, scripts/bench/threads.py).
+one busy process took several times longer than with 1 thread (BENCHMARKS.md item 12, scripts/bench/threads.py).
 The affinity and the quota do not show other processes, so auto cannot see them either; :func:`apply_threads`
 warns when the load average says the machine is busier than the threads it chose leave room for, and says what
 ``--threads`` to try.
