@@ -208,7 +208,9 @@ def test_threads_smoke(smoke):
     data = load(out / "threads.json", "threads")
     assert_rows_positive(data)
     assert len(data["rows"]) == 4, data["rows"]  # 2 cases beside the busy process, then 1 vs default twice
-    assert data["blocks"]["1"]["1"]["torch_threads"] == 1, data["blocks"]
+    assert data["blocks"]["busy"]["1"]["torch_threads"] == data["blocks"]["alone"]["1"]["torch_threads"] == 1, data[
+        "blocks"
+    ]
 
 
 @pytest.mark.timeout(240)

@@ -98,6 +98,8 @@ class Offer:
 class StateSync:
     """The outer state of one peer: every change and every download goes through here (see the module doc)."""
 
+    CATCH_UP_RETRY = 1.0  # seconds before a catch-up asks the group's members again
+
     def __init__(
         self,
         worker: Worker,
@@ -195,9 +197,15 @@ class StateSync:
         return True
 
     def catch_up(self, group: RoundTag, averaged: list[torch.Tensor]) -> bool:
-        """One round behind, our Δ counted: take the group's pre-round state and apply the same Δ̄ (or take the
-        post-round state if the donor applied it already). Ends bitwise equal to the group."""
-        offer = self.fetch(lambda tag: tag == group or tag.round == group.round + 1)
+        """Behind the group, our Δ counted: take the group's pre-round state and apply the same Δ̄ (or take the
+        post-round state if the donor applied it already). Ends bitwise equal to the group. Asked twice: right
+        after the round the donors may have moved on to the post-round state before announcing it (seen: both
+        refused the pre-round state they no longer held), and a second later they vouch for it."""
+        wanted = lambda tag: tag == group or tag.round == group.round + 1  # noqa: E731
+        offer = self.fetch(wanted)
+        if offer is None:
+            time.sleep(self.CATCH_UP_RETRY)
+            offer = self.fetch(wanted)
         if offer is None:
             return False
         if offer.tag == group:
