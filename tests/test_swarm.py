@@ -95,8 +95,8 @@ def finish(procs, timeout: float) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("compression", "overlap", "tolerance"),
-    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("int8", "eager", 1e-4)],
-    ids=["fp32-blocking", "fp32-eager", "int8-eager"],
+    [("none", "none", 1e-5), ("int8", "eager", 1e-4)],  # fp32 eager: the simulator's own eager test (test_engine)
+    ids=["fp32-blocking", "int8-eager"],
 )
 def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, compression, overlap, tolerance):
     """Bitwise agreement of every member every round, bytes as the codec encodes them, and the simulator's result.
