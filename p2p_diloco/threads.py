@@ -7,8 +7,9 @@ Inputs:  ``train.threads`` (or ``--threads``): N > 0 uses N threads; 0 (auto) us
          divided among the processes that share them, at least 1.
 Output:  :func:`apply_threads` sets ``torch.set_num_threads`` (and the inter-op pool where torch still allows it)
          and logs the choice once: ``torch threads: 2 (2 cores available, 1 worker)``. :func:`auto_threads`,
-         :func:`cgroup_quota`, :func:`choose_threads` and :func:`busy_warning` are the parts that decide, taking
-         their inputs as arguments (the cgroup directory, the affinity, the environment, the load).
+         :func:`cgroup_quota`, :func:`choose_threads`, :func:`cpu_times`, :func:`busy_cpus` and
+         :func:`busy_warning` are the parts that decide, taking their inputs as arguments (the cgroup directory, the
+         affinity, the environment, /proc/stat's text).
 State:   none of its own; torch's thread settings are process-wide.
 Failure: ValueError for a negative count or fewer than 1 worker; an unreadable cgroup file counts as no quota.
 
@@ -16,8 +17,9 @@ Why it matters on a shared machine: torch's CPU ops run as OpenMP parallel regio
 op takes as long as its slowest thread. When another process holds one of the cores, the thread that shares that
 core gets a fraction of it and every op waits for it; run_simulation on configs/tiny.yaml with 2 threads beside
 one busy process took several times longer than with 1 thread (BENCHMARKS.md item 12, scripts/bench/threads.py).
-The affinity and the quota do not show other processes, so auto cannot see them either; :func:`apply_threads`
-warns when the load average says the machine is busier than the threads it chose leave room for, and says what
+The affinity and the quota do not show other processes, so auto does not count them (a count that followed the
+load at start-up would change from run to run); instead, in auto, :func:`apply_threads` looks at the machine's CPUs
+for 0.2 s (/proc/stat) and warns when other work leaves fewer idle than the threads it chose, and says what
 ``--threads`` to try.
 
 Workers: run_simulation's K workers take turns in one process (each worker's inner steps, then the next's), so
@@ -32,14 +34,17 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["apply_threads", "auto_threads", "busy_warning", "cgroup_quota", "choose_threads"]
+__all__ = ["apply_threads", "auto_threads", "busy_cpus", "busy_warning", "cgroup_quota", "choose_threads", "cpu_times"]
 
 log = logging.getLogger("p2p_diloco.threads")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_STAT = Path("/proc/stat")
+BUSY_SAMPLE_SECONDS = 0.2  # how long auto looks at the machine's CPUs for the busy warning
 
 
 def cgroup_quota(root: Path = CGROUP_ROOT) -> float | None:
@@ -111,18 +116,48 @@ def choose_threads(
     return auto_threads(affinity, quota, workers), f"{cores} cores available{limit}, {workers} worker{plural}"
 
 
-def busy_warning(threads: int, cpus: int, load: float) -> str | None:
-    """A warning when the 1-minute load average (``load``, of other work: ours has barely started) leaves fewer
-    idle CPUs than ``threads``; None otherwise."""
-    idle = cpus - load
+def cpu_times(stat_text: str) -> tuple[int, int] | None:
+    """(busy, total) time of all CPUs together from the text of /proc/stat (its ``cpu`` line, in ticks: user,
+    nice, system, idle, iowait, irq, softirq, steal; idle and iowait are not busy); None without that line."""
+    for line in stat_text.splitlines():
+        if line.startswith("cpu "):
+            ticks = [int(x) for x in line.split()[1:9]]
+            total = sum(ticks)
+            return total - ticks[3] - ticks[4], total
+    return None
+
+
+def busy_cpus(before: tuple[int, int], after: tuple[int, int], cpus: int) -> float:
+    """How many of ``cpus`` CPUs were busy between two :func:`cpu_times` readings."""
+    elapsed = after[1] - before[1]
+    return 0.0 if elapsed <= 0 else cpus * (after[0] - before[0]) / elapsed
+
+
+def busy_warning(threads: int, cpus: int, busy: float) -> str | None:
+    """A warning when other work keeps ``busy`` of the machine's ``cpus`` CPUs busy and leaves fewer idle than
+    ``threads``; None otherwise."""
+    idle = cpus - busy
     if threads <= 1 or idle >= threads - 0.5:
         return None
     suggest = max(1, math.floor(idle + 0.5))
     return (
-        f"the machine is busy (load average {load:.1f} on {cpus} CPUs): with {threads} torch threads each op waits "
-        f"for a thread that shares a core with other work, which can make training several times slower; "
+        f"the machine is busy (other work keeps {busy:.1f} of {cpus} CPUs busy): with {threads} torch threads each "
+        f"op waits for a thread that shares a core with that work, which can make training several times slower; "
         f"try --threads {suggest}"
     )
+
+
+def _other_busy_cpus(cpus: int) -> float | None:
+    """CPUs busy with other work now: /proc/stat over BUSY_SAMPLE_SECONDS while this process sleeps (it has not
+    started any work yet); None where there is no /proc/stat. Instantaneous, unlike the load average, which still
+    counts work that ended a minute ago."""
+    try:
+        before = cpu_times(PROC_STAT.read_text())
+        time.sleep(BUSY_SAMPLE_SECONDS)
+        after = cpu_times(PROC_STAT.read_text())
+    except (OSError, ValueError):
+        return None
+    return None if before is None or after is None else busy_cpus(before, after, cpus)
 
 
 def apply_threads(requested: int, workers: int = 1) -> int:
@@ -142,8 +177,10 @@ def apply_threads(requested: int, workers: int = 1) -> int:
     cores = _usable(affinity, quota)
     if threads > cores:
         log.warning("%d torch threads on %d cores wait for each other: try --threads %d", threads, cores, cores)
-    elif requested == 0 and hasattr(os, "getloadavg"):
-        warning = busy_warning(threads, os.cpu_count() or affinity, os.getloadavg()[0])
+    elif requested == 0 and threads > 1:
+        cpus = os.cpu_count() or affinity
+        busy = _other_busy_cpus(cpus)
+        warning = busy_warning(threads, cpus, busy) if busy is not None else None
         if warning:
             log.warning(warning)
     return threads

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.threads import apply_threads, auto_threads, busy_warning, cgroup_quota, choose_threads
+from p2p_diloco.threads import (
+    apply_threads,
+    auto_threads,
+    busy_cpus,
+    busy_warning,
+    cgroup_quota,
+    choose_threads,
+    cpu_times,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -110,11 +118,21 @@ def test_cgroup_quota_from_v2_and_v1_files(tmp_path: Path, files: dict[str, str]
 
 # ------------------------------------------------------------------ the busy-machine warning
 def test_busy_warning_when_other_work_leaves_fewer_idle_cpus_than_threads() -> None:
-    warning = busy_warning(threads=2, cpus=2, load=1.0)
-    assert warning is not None and "load average 1.0 on 2 CPUs" in warning and "--threads 1" in warning
-    assert busy_warning(threads=2, cpus=2, load=0.3) is None  # nearly idle
-    assert busy_warning(threads=1, cpus=2, load=5.0) is None  # nothing to give up
-    assert "--threads 1" in busy_warning(threads=4, cpus=4, load=9.0)  # at least 1
+    warning = busy_warning(threads=2, cpus=2, busy=1.0)
+    assert warning is not None and "keeps 1.0 of 2 CPUs busy" in warning and "--threads 1" in warning
+    assert busy_warning(threads=2, cpus=2, busy=0.3) is None  # nearly idle
+    assert busy_warning(threads=1, cpus=2, busy=5.0) is None  # nothing to give up
+    assert "--threads 1" in busy_warning(threads=4, cpus=4, busy=9.0)  # at least 1
+
+
+def test_busy_cpus_from_two_proc_stat_readings() -> None:
+    #            user nice system idle iowait irq softirq steal guest guest_nice
+    before = "cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\nintr 1 2 3\n"
+    after = "cpu  200 0 100 850 50 0 0 0 0 0\ncpu0 100 0 50 425 25 0 0 0 0 0\nintr 4 5 6\n"
+    assert cpu_times(before) == (150, 1000) and cpu_times(after) == (300, 1200)
+    assert busy_cpus(cpu_times(before), cpu_times(after), cpus=2) == pytest.approx(1.5)  # 150 of 200 ticks
+    assert busy_cpus((5, 10), (5, 10), cpus=2) == 0.0  # no time passed
+    assert cpu_times("intr 1 2 3\n") is None
 
 
 # ------------------------------------------------------------------ applied
