@@ -13,10 +13,12 @@ Output:  :func:`apply_threads` sets ``torch.set_num_threads`` (and the inter-op 
 State:   none of its own; torch's thread settings are process-wide.
 Failure: ValueError for a negative count or fewer than 1 worker; an unreadable cgroup file counts as no quota.
 
-Why it matters on a shared machine: torch's CPU ops run as OpenMP parallel regions that end in a barrier, so an
-op takes as long as its slowest thread. When another process holds one of the cores, the thread that shares that
-core gets a fraction of it and every op waits for it; run_simulation on configs/tiny.yaml with 2 threads beside
-one busy process took several times longer than with 1 thread (BENCHMARKS.md item 12, scripts/bench/threads.py).
+Why it matters on a shared machine: between torch's OpenMP parallel regions the idle threads spin (busy-wait) by
+default, so they look busy to the scheduler. Beside a process that keeps one core busy, the thread that shares that
+core gets part of it and every op waits for that thread. On this project's 2-core machine (BENCHMARKS.md item 12,
+scripts/bench/threads.py) run_simulation on tiny with 2 threads took 3.0x as long beside one busy process as alone,
+with 1 thread 1.0x; OMP_WAIT_POLICY=PASSIVE (threads sleep instead of spinning) removed the slowdown too but made
+the run alone 1.8x slower, so it is not set here.
 The affinity and the quota do not show other processes, so auto does not count them (a count that followed the
 load at start-up would change from run to run); instead, in auto, :func:`apply_threads` looks at the machine's CPUs
 for 0.2 s (/proc/stat) and warns when other work leaves fewer idle than the threads it chose, and says what

@@ -200,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     rec.notes.append(
         "Each run is a fresh run_simulation process; wall_seconds from its results.json. The busy processes each spin "
-        "one core in pure Python. torch's ops are OpenMP regions ending in a barrier, so with one thread per core an "
-        "op waits for the thread whose core it shares with a busy process; OMP_WAIT_POLICY=PASSIVE stops the idle "
-        "threads spinning but not that wait. auto sees the affinity and the cgroup quota, not other processes: on an "
-        "idle-looking machine it picks what torch picks. The machine is shared, so other load shows in load_before."
+        "one core in pure Python. Between torch's OpenMP parallel regions the idle threads spin by default, so they "
+        "look busy to the scheduler: beside a busy process, the thread that shares its core gets part of it and every "
+        "op waits for that thread. OMP_WAIT_POLICY=PASSIVE (threads sleep instead) frees a core for it, at the cost of "
+        "waking the threads for every op. auto sees the affinity and the cgroup quota, not other processes: here it "
+        "picks what torch picks. The machine is shared, so other load shows in each run's load_before."
     )
     path = rec.write(args.out)
     print(f"wrote {path}")
