@@ -70,7 +70,7 @@ from p2p_diloco.inner import InnerStats, NonFiniteLossError
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
 from p2p_diloco.robust import AggregateStats, aggregate_flat, max_round_tokens, trusted_weight
 from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag
-from p2p_diloco.threads import apply_threads
+from p2p_diloco.threads import add_threads_flag, apply_threads
 
 __all__ = ["ATTACKS", "MODES", "simulate", "main"]
 
@@ -508,14 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S1,S2,...",
         help="inner steps per simulated second of each worker (module doc)",
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="torch CPU threads (overrides train.threads; 0: auto, the cores this process may use, or OMP_NUM_THREADS "
-        "when set); on a machine where other work runs, give the cores it leaves free",
-    )
+    add_threads_flag(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     overrides = [*args.overrides, *([f"train.threads={args.threads}"] if args.threads is not None else [])]

@@ -39,8 +39,18 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["apply_threads", "auto_threads", "busy_cpus", "busy_warning", "cgroup_quota", "choose_threads", "cpu_times"]
+__all__ = [
+    "add_threads_flag",
+    "apply_threads",
+    "auto_threads",
+    "busy_cpus",
+    "busy_warning",
+    "cgroup_quota",
+    "choose_threads",
+    "cpu_times",
+]
 
 log = logging.getLogger("p2p_diloco.threads")
 
@@ -186,3 +196,15 @@ def apply_threads(requested: int, workers: int = 1) -> int:
         if warning:
             log.warning(warning)
     return threads
+
+
+def add_threads_flag(parser: Any) -> None:
+    """``--threads N`` on a command line (run_peer, run_simulation): None when not given, so train.threads holds."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (overrides train.threads; 0: auto, the cores this process may use, or OMP_NUM_THREADS "
+        "when set); on a machine where other work runs, give the cores it leaves free",
+    )

@@ -40,7 +40,7 @@ from p2p_diloco.swarm.dht import (
 )
 from p2p_diloco.swarm.identity import Identity, IdentityError
 from p2p_diloco.swarm.peer import PeerOptions, RoundsFailing, TrainingPeer
-from p2p_diloco.threads import apply_threads
+from p2p_diloco.threads import add_threads_flag, apply_threads
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,14 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-dir", type=Path, help="metrics.jsonl, run metadata and checkpoints (required to train)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --log-dir")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="torch CPU threads (overrides train.threads; 0: auto, the cores this process may use, or OMP_NUM_THREADS "
-        "when set); on a machine where other work runs, give the cores it leaves free",
-    )
+    add_threads_flag(p)
     p.add_argument("--host-maddrs", nargs="*", default=None, help="listen addresses (default /ip4/0.0.0.0/tcp/0)")
     p.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses, when behind NAT")
     p.add_argument("--identity-path", default=None, help="key file for a stable peer id (created if missing)")
