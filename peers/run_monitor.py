@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from p2p_diloco.config import ConfigError, SwarmConfig, load_config
 from p2p_diloco.monitor import HISTORY_FILE, ConsoleView, Monitor
 from p2p_diloco.monitor_http import PlotCache, PortInUseError, bind
 from p2p_diloco.plots import write_plots
+from p2p_diloco.stopping import StopRequest
 from p2p_diloco.swarm.dht import (
     SwarmSetupError,
     SwarmUnreachableError,
@@ -46,6 +45,8 @@ from p2p_diloco.swarm.dht import (
 from p2p_diloco.swarm.identity import IdentityError, read_authorized_keys
 from p2p_diloco.swarm.reader import RejectCounter
 from p2p_diloco.swarm.validators import make_validators
+
+STOP_HANG_REPORT_S = 25.0  # a stop normally ends the monitor in about 3 s; stacks on stderr if not after this
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -124,16 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, IdentityError) as exc:
         return _fail(str(exc), 2)
 
-    stop, starting = threading.Event(), [True]
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-        if starting[0]:
-            raise KeyboardInterrupt  # abort the DHT join (start_dht cleans up)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    server = dht = None
+    request = StopRequest(report_hang_after=STOP_HANG_REPORT_S)
+    request.interrupt = True  # a signal during the join aborts it (start_dht cleans up)
+    stop, server, dht = request.event, None, None
     try:
         initial = args.initial_peers if args.initial_peers is not None else initial_peers_from_env()
         initial = parse_initial_peers(initial)
@@ -166,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.start()
             print(f"monitor page: {server.url}  (/status, /metrics)", flush=True)
-        starting[0] = False
+        request.interrupt = False
         if not stop.is_set():
             monitor.run()
         return 0
@@ -179,12 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         return _fail(str(exc), 1)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
+        request.ignore()  # a second Ctrl-C must not interrupt the cleanup
         if server is not None:
             server.close()
         if dht is not None:
             shutdown_dht(dht)
+        request.close()
 
 
 if __name__ == "__main__":

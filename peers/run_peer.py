@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 from p2p_diloco.checkpoint import CheckpointError
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.data import DataError
+from p2p_diloco.stopping import StopRequest
 from p2p_diloco.swarm.dht import (
     SwarmSetupError,
     SwarmUnreachableError,
@@ -106,18 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("hivemind", "p2p_diloco.swarm.records"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    stop = threading.Event()
+    request = StopRequest(
+        on_stop=lambda name: logging.getLogger("run_peer").info(
+            "%s: finishing or abandoning the current round, then exiting (again: stop now)", name
+        ),
+        report_hang_after=None,  # a round may rightly take minutes to finish
+        second_interrupts=True,  # a second signal raises KeyboardInterrupt: stop now (cleanup still runs)
+    )
+    try:
+        return _run(args, request.event)
+    finally:
+        request.close()
 
-    def on_signal(signum: int, _frame: object) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt  # a second signal: stop now (cleanup still runs)
-        logging.getLogger("run_peer").info(
-            "%s: finishing or abandoning the current round, then exiting", signal.Signals(signum).name
-        )
-        stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+def _run(args: argparse.Namespace, stop: threading.Event) -> int:
     initial = args.initial_peers if args.initial_peers is not None else initial_peers_from_env()
     try:
         if args.print_public_key:

@@ -12,7 +12,8 @@ Output:  a Proc: the child in its own session (so its process group holds its DH
          ``Throttle``: one process made N times slower (SIGSTOP/SIGCONT duty cycle), as on a slower GPU.
 State:   two reader threads per Proc, one per Throttle; nothing global.
 Failure: ProcessOutputError (a RuntimeError, with the child's output) when an expected line does not come
-         in time or stdout closes first. kill_group() never raises for a child that is already gone.
+         in time or stdout closes first; ExitTimeout (a subprocess.TimeoutExpired, with the output) when a
+         child does not exit in time. kill_group() never raises for a child that is already gone.
 """
 
 from __future__ import annotations
@@ -28,11 +29,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["Proc", "ProcessOutputError", "Throttle", "descendants", "live_group_members", "wait_until"]
+__all__ = ["ExitTimeout", "Proc", "ProcessOutputError", "Throttle", "descendants", "live_group_members", "wait_until"]
 
 
 class ProcessOutputError(RuntimeError):
     """A child did not print the expected line within its deadline, or closed stdout first."""
+
+
+class ExitTimeout(subprocess.TimeoutExpired):
+    """A child did not exit within its deadline; the message has the tail of its output."""
+
+    def __init__(self, args: list[str], timeout: float, description: str) -> None:
+        super().__init__(args, timeout)
+        self.description = description
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.description}"
 
 
 def _child_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -123,7 +135,11 @@ class Proc:
             return None
 
     def wait(self, timeout: float) -> int:
-        rc = self.popen.wait(timeout=timeout)
+        """The exit code; ExitTimeout (a subprocess.TimeoutExpired that shows the output) after ``timeout`` s."""
+        try:
+            rc = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ExitTimeout(self.args, timeout, self.describe(60)) from None
         for t in self._threads:
             t.join(timeout=5)
         return rc
