@@ -106,6 +106,14 @@ class TrainConfig:
     # torch CPU threads of this process (p2p_diloco/threads.py); 0: auto, OMP_NUM_THREADS when set, else the cores
     # this process may use (affinity, cgroup quota). Not in the fingerprint: peers may differ. --threads overrides.
     threads: int = 0
+    # Ordinary training before DiLoCo, as the paper warm-starts from 24k ordinary steps (run_simulation only; a swarm
+    # warm-starts from a model: model.pretrained, e.g. run_export of such a simulation, README "Warm start").
+    # single: warm_start_steps steps of one model from the seed's init, its batches in turn from the workers' shards;
+    # sync: warm_start_steps steps each averaging one batch's gradient per shard (data-parallel). Its own inner lr
+    # schedule (inner.warmup_steps, then cosine over warm_start_steps); every worker then starts round 1 from its
+    # weights with fresh inner optimizer moments and zero outer momentum.
+    warm_start: str = "none"  # none | single | sync
+    warm_start_steps: int = 0
 
 
 @dataclass
@@ -193,6 +201,7 @@ _RENAMED = {"train.outer_steps": "train.rounds"}  # old name -> new name, for a 
 
 _CHOICES = {
     "model.autocast": ("auto", "bf16", "none"),
+    "train.warm_start": ("none", "single", "sync"),
     "data.source": ("offline", "files", "hub"),
     "data.partition": ("iid", "dirichlet", "by-label"),
     "inner.optimizer": ("adamw", "sgd"),
@@ -254,6 +263,12 @@ def _check_ranges(cfg: Config) -> None:
     need(t.eval_every >= 0, "train.eval_every", t.eval_every, ">= 0")
     need(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, ">= 0")
     need(t.threads >= 0, "train.threads", t.threads, ">= 0 (0: auto, from the cores this process may use)")
+    if t.warm_start == "none":
+        need(t.warm_start_steps == 0, "train.warm_start_steps", t.warm_start_steps, "0 with train.warm_start=none "
+             "(set train.warm_start=single or sync to warm-start)")  # fmt: skip
+    else:
+        need(t.warm_start_steps >= 1, "train.warm_start_steps", t.warm_start_steps, f">= 1 with train.warm_start="
+             f"{t.warm_start}")  # fmt: skip
     need(
         bool(s.run_id) and "." not in s.run_id and " " not in s.run_id,
         "swarm.run_id",

@@ -11,7 +11,9 @@ Output:  :func:`swarm_fingerprint` -> (12 hex digits, summary). The summary is a
            model.hidden_size, .num_layers, .num_heads, .num_kv_heads, .intermediate_size, .rope_theta,
            .tie_embeddings               the built architecture (heads and rope change the function, not the
                                          shapes); with ``model.pretrained`` instead: model.pretrained (its hub
-                                         name, or "local") and model.config_digest (the loaded model's config)
+                                         name, or "local"), model.config_digest (the loaded model's config)
+                                         and model.weights_digest (its weights: a warm start is identified by
+                                         what it holds, not where it lies)
            tokenizer.name, .vocab_size, .vocab_digest
                                          "byte" or the hub name, or "local" for a tokenizer directory on this
                                          machine; the digest covers the sorted vocabulary and the eos id
@@ -91,6 +93,15 @@ def vocab_digest(tokenizer: Any) -> str:
     return _sha([type(inner).__name__ if vocab is None else "vocab", vocab, tokenizer.eos_id, tokenizer.vocab_size])
 
 
+def _weights_digest(model: torch.nn.Module) -> str:
+    """16 hex digits over every parameter's fp32 values, in order: peers that start from different weights (two
+    warm starts, two revisions of one hub model) must not count as one run."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def _model_fields(cfg: Config, model: torch.nn.Module) -> dict[str, Any]:
     m = cfg.model
     fields: dict[str, Any] = {"model.architecture": architecture_fingerprint(model)}
@@ -100,7 +111,11 @@ def _model_fields(cfg: Config, model: torch.nn.Module) -> dict[str, Any]:
         spec = to_dict() if callable(to_dict) else {}
         for where in ("_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype"):
             spec.pop(where, None)  # where and with what it was loaded, not what it is
-        fields.update({"model.pretrained": _name_or_local(m.pretrained), "model.config_digest": _sha(spec)})
+        fields.update({
+            "model.pretrained": _name_or_local(m.pretrained),
+            "model.config_digest": _sha(spec),
+            "model.weights_digest": _weights_digest(model),
+        })  # fmt: skip
     else:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             fields[f"model.{name}"] = getattr(m, name)

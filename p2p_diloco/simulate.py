@@ -5,6 +5,8 @@ Usage:
     run_simulation --config configs/tiny.yaml --mode sync --workers 4 --out runs/sync --set inner.steps=50
     run_simulation --config configs/tiny.yaml --workers 3 --speeds 1,1,0.33 --set inner.round_seconds=25 --out runs/t
     run_simulation --config configs/tiny.yaml --out runs/sim --threads 1    # beside other work on a shared machine
+    run_simulation --config configs/tiny.yaml --workers 4 --out runs/w --set train.warm_start=sync \
+        --set train.warm_start_steps=500                                 # 500 data-parallel steps first, as the paper
 
 Modes (all see the same tokens: K shards x H steps x B x T per round):
     diloco  K workers, H inner steps each, in-process weighted mean of Δ, Nesterov outer step
@@ -30,6 +32,13 @@ member's Δ counts as ``protocol.decide`` says (a straggler up to ``swarm.max_st
 member starts its next round from the group's new state; the others keep training. ``simulated_seconds`` in
 results.json is that clock, for comparisons at equal time; ``contributed_tokens_per_worker`` and
 ``lost_rounds_per_worker`` say whose work counted.
+
+Warm start (``train.warm_start`` single or sync, ``train.warm_start_steps`` N): before round 1, N steps of ordinary
+training of one model from the seed's init (single: one batch a step, in turn from the K shards; sync: each step the
+mean gradient of one batch per shard), on an inner lr schedule of its own over N steps; every worker (every mode)
+then starts from its weights with fresh inner moments and zero outer momentum. Its tokens are not in
+``tokens_per_worker`` (so runs with the same warm start compare at equal tokens after it); results.json's
+``warm_start`` has its kind, steps, tokens, eval loss and seconds, and ``eval_loss_per_round["0"]`` is its eval loss.
 
 Threads: ``--threads N`` (or ``train.threads``; 0, the default: auto) sets torch's CPU threads before anything is
 built (p2p_diloco/threads.py): the K workers take turns in this process, so auto gives every one of them all the
@@ -88,9 +97,11 @@ def _round_robin(iterators: list[Iterator[torch.Tensor]]) -> Iterator[torch.Tens
 class _Local:
     """The sync and single modes: one model whose inner optimizer sees every shard."""
 
-    def __init__(self, cfg: Config, vocab_size: int, shards: list[Iterator[torch.Tensor]], mode: str) -> None:
+    def __init__(
+        self, cfg: Config, vocab_size: int, shards: list[Iterator[torch.Tensor]], mode: str, steps: int | None = None
+    ) -> None:
         k = len(shards)
-        steps_per_round = cfg.inner.steps * (k if mode == "single" else 1)
+        steps_per_round = steps if steps is not None else cfg.inner.steps * (k if mode == "single" else 1)
         cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, steps=steps_per_round))
         self.worker = Worker(cfg, vocab_size, _round_robin(shards))
         self.shards, self.mode, self.steps = shards, mode, steps_per_round
@@ -118,6 +129,23 @@ class _Local:
         # No outer step here: the anchor mirrors θ so that checksums and comparisons see the model.
         w.state = OuterState(OuterState.from_params(w.model.parameters()).anchor, w.state.momentum, w.state.round + 1)
         return stats
+
+
+def _warm_start(
+    cfg: Config, vocab_size: int, shards: list[Iterator[torch.Tensor]], eval_sets: dict[str, torch.Tensor]
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """``train.warm_start_steps`` steps of ordinary training (``train.warm_start``: single or sync) from the seed's
+    init, on its own lr schedule over those steps; returns the weights and what to report of it."""
+    kind, steps = cfg.train.warm_start, cfg.train.warm_start_steps
+    warm_cfg = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, rounds=1), inner=dataclasses.replace(cfg.inner, round_seconds=0.0)
+    )
+    local = _Local(warm_cfg, vocab_size, shards, kind, steps=steps)
+    stats = local.round()
+    after = evaluate(local.worker.model, eval_sets, cfg.data.batch_size, cfg)
+    log.info("warm start: %d %s steps, %d tokens, eval loss %.4f", steps, kind, stats.tokens, after["all"])
+    report = {"kind": kind, "steps": steps, "tokens": stats.tokens, "eval_loss": after["all"], "seconds": stats.seconds}
+    return local.worker.state.anchor, report
 
 
 def simulate(
@@ -180,7 +208,12 @@ def simulate(
     agg_stats = AggregateStats()
 
     initial = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
-    eval_per_round: dict[int, float] = {0: initial["all"]}
+    warm: dict[str, Any] | None = None
+    if cfg.train.warm_start != "none":
+        weights, warm = _warm_start(cfg, data.vocab_size, shards, eval_sets)
+        for w in pool:
+            w.load_state(OuterState.from_params(weights))  # a copy each; fresh inner moments, zero outer momentum
+    eval_per_round: dict[int, float] = {0: warm["eval_loss"] if warm else initial["all"]}
     bytes_sent, tokens_per_worker, clock = 0, 0, 0.0
     contributed, lost = [0] * len(pool), [0] * len(pool)
     round_clock = cfg.inner.round_seconds if cfg.inner.round_seconds > 0 else cfg.inner.steps / min(speeds or [1.0])
@@ -234,6 +267,7 @@ def simulate(
         "rounds": cfg.train.rounds,
         "inner_steps": cfg.inner.steps,
         "initial_eval_loss": initial["all"],
+        "warm_start": warm,
         "final_eval_loss": final["all"],
         "final_eval_loss_per_label": {k: v for k, v in final.items() if k != "all"},
         "eval_loss_per_round": {str(k): v for k, v in eval_per_round.items()},

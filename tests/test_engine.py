@@ -213,6 +213,39 @@ def test_simulation_cli_reports_bad_input_without_traceback(tmp_path, capsys):
         assert "--speeds" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind", ["single", "sync"])
+def test_warm_start_is_ordinary_training_then_every_worker_starts_diloco_from_it(tmp_path, kind):
+    steps, sets = 12, ["inner.steps=4", "train.rounds=2", "data.eval_batches=1", "train.eval_every=1"]
+    warm = [f"train.warm_start={kind}", f"train.warm_start_steps={steps}"]
+    res = simulate(load_config(TINY, [*sets, *warm]), "diloco", 3, tmp_path / "warm")
+    # the same ordinary training as a run of its own: the single/sync mode for one round of `steps` steps
+    per_round = steps // 3 if kind == "single" else steps  # single takes K x H steps a round
+    alone_cfg = load_config(TINY, [f"inner.steps={per_round}", "train.rounds=1", "data.eval_batches=1"])
+    alone = simulate(alone_cfg, kind, 3, tmp_path / "a")
+    w = res["warm_start"]
+    assert w["kind"] == kind and w["steps"] == steps
+    assert w["tokens"] == steps * (1 if kind == "single" else 3) * 8 * 64 == alone["tokens_per_worker"] * 3
+    assert w["eval_loss"] == alone["final_eval_loss"] == res["eval_loss_per_round"]["0"]  # the same weights, exactly
+    assert w["eval_loss"] < res["initial_eval_loss"] - 0.5 and res["tokens_per_worker"] == 2 * 4 * 8 * 64
+    cold = simulate(load_config(TINY, sets), "diloco", 3, tmp_path / "cold")
+    assert cold["warm_start"] is None and cold["eval_loss_per_round"]["0"] == cold["initial_eval_loss"]
+    assert res["final_eval_loss"] < cold["final_eval_loss"]
+
+
+def test_warm_start_settings_are_checked_and_a_swarm_peer_refuses_them():
+    with pytest.raises(ConfigError, match="train.warm_start_steps=0 is invalid: must be >= 1"):
+        load_config(TINY, ["train.warm_start=sync"])
+    with pytest.raises(ConfigError, match="must be 0 with train.warm_start=none"):
+        load_config(TINY, ["train.warm_start_steps=5"])
+    with pytest.raises(ConfigError, match="train.warm_start='lots' is invalid: must be one of none, single, sync"):
+        load_config(TINY, ["train.warm_start=lots", "train.warm_start_steps=5"])
+    from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
+
+    cfg = load_config(TINY, ["train.warm_start=single", "train.warm_start_steps=5"])
+    with pytest.raises(ConfigError, match="run_simulation only.*model.pretrained=MODEL"):
+        TrainingPeer(cfg, PeerOptions(initial_peers=[], log_dir="unused", new_swarm=True))
+
+
 def test_simulated_speeds_budget_steps_by_the_round_clock(tmp_path):
     """With inner.round_seconds each simulated worker takes round_seconds x its speed steps (its tokens weigh its
     Δ), and a round lasts round_seconds."""

@@ -208,6 +208,25 @@ def save_tokenizer(where: Path, words: list[str]) -> Path:
     return where
 
 
+def test_a_pretrained_model_is_identified_by_its_weights_wherever_it_lies(tmp_path: Path) -> None:
+    from p2p_diloco.model import build_model
+
+    base = build_model(load_config(TINY).model, 257, seed=0)
+    base.save_pretrained(tmp_path / "a")
+    base.save_pretrained(tmp_path / "elsewhere" / "a")
+    with torch.no_grad():
+        base.lm_head.weight[0, 0] += 1e-3  # one more warm-start step would do as much
+    base.save_pretrained(tmp_path / "b")
+    prints = {}
+    for name in ("a", "elsewhere/a", "b"):
+        cfg = load_config(TINY, [f"model.pretrained={tmp_path / name}"])
+        prints[name] = swarm_fingerprint(cfg, build_model(cfg.model, 257, cfg.seed), DataPipeline(cfg.data, cfg.seed))
+    assert prints["a"] == prints["elsewhere/a"] and prints["a"][1]["model.pretrained"] == "local"
+    assert prints["a"][0] != prints["b"][0]
+    differences = fingerprint_differences(prints["a"][1], prints["b"][1])
+    assert [d.split(":")[0] for d in differences] == ["model.weights_digest"]
+
+
 def test_a_local_tokenizer_is_identified_by_its_vocabulary(tmp_path: Path) -> None:
     words = [f"w{i}" for i in range(50)]
     a, b = save_tokenizer(tmp_path / "a", words), save_tokenizer(tmp_path / "x" / "b", words)

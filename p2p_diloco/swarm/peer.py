@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, save_round
-from p2p_diloco.config import Config, write_run_metadata
+from p2p_diloco.config import Config, ConfigError, write_run_metadata
 from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.fingerprint import swarm_fingerprint
@@ -62,6 +62,12 @@ class TrainingPeer:
     """One training peer: ``run()`` joins, trains until ``train.rounds`` or a stop request, and cleans up."""
 
     def __init__(self, cfg: Config, opts: PeerOptions) -> None:
+        if cfg.train.warm_start != "none":
+            raise ConfigError(
+                f"train.warm_start={cfg.train.warm_start!r} runs in run_simulation only: a swarm starts from a "
+                "model instead. Train it first (run_simulation --out DIR --set train.warm_start=... or any run), "
+                "export it (run_export --checkpoint DIR --out MODEL) and give every peer --set model.pretrained=MODEL"
+            )
         self.cfg, self.opts = cfg, opts
         self.log_dir = Path(opts.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
