@@ -15,9 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state
 from p2p_diloco.config import load_config
+from p2p_diloco.export import export_checkpoint
+from p2p_diloco.outer import OuterState
 from p2p_diloco.simulate import simulate, wire_bytes_sent
 from scripts.procs import Throttle, live_group_members, wait_until
 
@@ -339,14 +342,37 @@ def test_peers_carry_on_when_the_bootstrap_node_dies(spawn, tmp_path):
     assert all(r["group_size"] == 2 for d in dirs for r in records(d))
 
 
+def _warm_exports(where: Path) -> tuple[Path, Path]:
+    """Two warm starts as README's recipe makes them: a data-parallel simulation, exported; the second one step
+    longer (the same architecture and config, other weights)."""
+    exports = []
+    for steps in (3, 4):
+        cfg = load_config(TINY, [f"inner.steps={steps}", "train.rounds=1", "data.eval_batches=1"])
+        simulate(cfg, "sync", 2, where / f"warm{steps}")
+        export_checkpoint(where / f"warm{steps}", where / f"export{steps}")
+        exports.append(where / f"export{steps}")
+    return exports[0], exports[1]
+
+
 @pytest.mark.timeout(180)
-def test_peer_with_a_different_model_width_is_refused_with_the_reason(spawn, tmp_path):
-    first = start_peer(spawn, [], tmp_path / "a", "train.rounds=50")
+@pytest.mark.parametrize("differs", ["width", "warm start"])
+def test_peer_with_a_different_model_is_refused_with_the_reason(spawn, tmp_path, differs):
+    """A peer started from a warm start (model.pretrained: an export) serves it as round 0; a newcomer whose model
+    differs, in width or only in its warm start's weights, is refused with the field named."""
+    if differs == "width":
+        ours, theirs, field = [], ["model.hidden_size=64"], "hidden_size"
+    else:
+        warm, other = _warm_exports(tmp_path)
+        ours, theirs, field = [f"model.pretrained={warm}"], [f"model.pretrained={other}"], "model.weights_digest"
+    first = start_peer(spawn, [], tmp_path / "a", "train.rounds=50", *ours)
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
-    other = start_peer(spawn, initial.split(), tmp_path / "b", "model.hidden_size=64")
+    if differs == "warm start":  # the run starts from the export's weights
+        seed = OuterState.from_params(AutoModelForCausalLM.from_pretrained(warm).parameters())
+        assert first.wait_for_line(r"joined at round 0 with checksum (\w+)", timeout=60).group(1) == seed.checksum()
+    other = start_peer(spawn, initial.split(), tmp_path / "b", *theirs)
     rc = other.wait(timeout=90)
     assert rc == 2, other.describe()
-    assert "hidden_size" in other.stderr and "differ" in other.stderr, other.stderr
+    assert field in other.stderr and "differ" in other.stderr, other.stderr
     assert "Traceback" not in other.stderr
 
 
