@@ -180,6 +180,11 @@ class SwarmConfig:
 class LoggingConfig:
     log_every: int = 10  # inner steps between progress log lines (0: per round only)
     progress_bar: bool = True  # tqdm over inner steps when stderr is a tty
+    # Trackers fed from each round's metrics.jsonl record (p2p_diloco/trackers.py); pip install -e '.[trackers]'.
+    # Not in the fingerprint: each peer logs as it likes.
+    tensorboard: bool = False  # event files in LOG_DIR/tensorboard (the simulator: OUT/tensorboard)
+    wandb_project: str | None = None  # a wandb run in this project (name: the peer id; group: swarm.run_id)
+    wandb_mode: str = "offline"  # offline: LOG_DIR/wandb, nothing leaves the machine (wandb sync uploads it) | online
 
 
 @dataclass
@@ -210,6 +215,7 @@ _CHOICES = {
     "swarm.aggregation": ("mean", "median_filter", "median_clip", "centered_clip"),  # = robust.RULES
     "swarm.compression": ("none", "fp16", "bf16", "int8"),  # = codec.CODECS
     "swarm.overlap": ("none", "eager"),
+    "logging.wandb_mode": ("offline", "online"),
 }
 
 
@@ -323,6 +329,14 @@ def _check_ranges(cfg: Config) -> None:
         s.rollback_after,
         f"in [1, swarm.max_failed_rounds ({s.max_failed_rounds})]",
     )
+    project = cfg.logging.wandb_project
+    if project is not None:
+        need(
+            bool(project.strip()) and "/" not in project,
+            "logging.wandb_project",
+            project,
+            "a wandb project name (no '/': WANDB_ENTITY names the team), or null",
+        )
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -49,9 +49,12 @@ Output:  OUT/results.json (final_eval_loss, eval_loss_per_round, tokens_per_work
          bytes_sent_per_worker (what the swarm would send, fp32 butterfly), wall_seconds, attack (kind, scale,
          worker), aggregation (rule, clip, counts of excluded and clipped worker-parts), ...),
          OUT/final_state/ (the final outer state, see checkpoint.py; sync/single: the model's params),
-         OUT/metrics.jsonl (one record per round), OUT/run_metadata.json.
-Failure: bad config or data -> one-line message and exit 2; a non-finite loss or update -> exit 3
-         with the round named; results of completed rounds stay in metrics.jsonl.
+         OUT/metrics.jsonl (one record per round), OUT/run_metadata.json; the same records to OUT/tensorboard and
+         OUT/wandb when ``logging`` turns them on (trackers.py; wandb run named after OUT, its config the resolved
+         config plus mode and workers).
+Failure: bad config or data, or a configured tracker whose package is missing or that cannot start -> one-line
+         message and exit 2, before round 1; a non-finite loss or update -> exit 3 with the round named; results of
+         completed rounds stay in metrics.jsonl (and the trackers, closed on every way out).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from p2p_diloco.outer import NonFiniteUpdateError, OuterState
 from p2p_diloco.robust import AggregateStats, aggregate_flat, max_round_tokens, trusted_weight
 from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag
 from p2p_diloco.threads import add_threads_flag, apply_threads
+from p2p_diloco.trackers import Trackers, require
 
 __all__ = ["ATTACKS", "MODES", "simulate", "main"]
 
@@ -184,6 +188,7 @@ def simulate(
             "--speeds of different workers with fixed H (inner.round_seconds 0) are simulated without --attack and "
             "with swarm.overlap none only"
         )
+    require(cfg.logging)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_shards=workers, shard_index=None))
     if mode == "fedavg":  # FedAvg is DiLoCo with plain outer SGD at lr 1
         cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, lr=1.0, momentum=0.0, lr_warmup_rounds=0))
@@ -217,6 +222,10 @@ def simulate(
     bytes_sent, tokens_per_worker, clock = 0, 0, 0.0
     contributed, lost = [0] * len(pool), [0] * len(pool)
     round_clock = cfg.inner.round_seconds if cfg.inner.round_seconds > 0 else cfg.inner.steps / min(speeds or [1.0])
+    config = {**cfg.to_dict(), "mode": mode, "workers": workers}
+    trackers = Trackers.open(
+        cfg.logging, out, out.resolve().name, f"{cfg.swarm.run_id}-sim", config, "tokens_per_worker"
+    )
     metrics = (out / "metrics.jsonl").open("w")
     log.info(
         "%s, %d workers, %d params, %d rounds, aggregation %s (clip %g), attack %s; initial eval loss %.4f",
@@ -245,8 +254,10 @@ def simulate(
             bytes_sent += result.reduce.bytes_sent
             if evals is not None:
                 eval_per_round[r] = evals["all"]
-            metrics.write(json.dumps({"mode": mode, "tokens_per_worker": tokens_per_worker, **result.record()}) + "\n")
+            record = {"mode": mode, "tokens_per_worker": tokens_per_worker, **result.record()}
+            metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+            trackers.write(record)
             log.info(
                 "round %d/%d  train %.4f  eval %s  %.0f tok/s  %.1fs elapsed",
                 r,
@@ -258,6 +269,7 @@ def simulate(
             )
     finally:
         metrics.close()
+        trackers.close()
 
     final = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
     results = {

@@ -56,6 +56,7 @@ class StopRequest:
         self.event = threading.Event()
         self.interrupt = False  # read by the handler: True raises KeyboardInterrupt in the main thread
         self.signal_name: str | None = None
+        self._handled = 0
         self._on_stop, self._report_after, self._second_interrupts = on_stop, report_hang_after, second_interrupts
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
@@ -65,7 +66,8 @@ class StopRequest:
         self._thread.start()
 
     def _handler(self, _signum: int, _frame: object) -> None:
-        if self.interrupt:
+        self._handled += 1  # the main thread's own count: a second signal must not wait for the helper thread
+        if self.interrupt or (self._second_interrupts and self._handled > 1):
             raise KeyboardInterrupt
 
     def _watch(self) -> None:
@@ -86,8 +88,6 @@ class StopRequest:
                     self.event.set()
                     if self._report_after is not None:
                         faulthandler.dump_traceback_later(self._report_after, exit=False, file=sys.stderr)
-                if self._second_interrupts:
-                    self.interrupt = True
 
     def ignore(self) -> None:
         """Signals from now on change nothing (a second Ctrl-C must not interrupt the cleanup)."""

@@ -53,9 +53,9 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
         honest.append(late)
     finish(honest, timeout=240)
     try:  # an attacker the others stopped grouping with is still waiting for a group: its own run is not the test
-        third.wait(timeout=30)
+        third.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        third.kill_group()
+        third.stop(grace=5)
     attacker_output = third.describe()
     if attack:  # the attacker got as far as training (its attack is what the honest peers met)
         assert "joined at round" in attacker_output, attacker_output[-3000:]

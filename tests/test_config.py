@@ -56,6 +56,10 @@ def test_overrides_apply_in_order_and_parse_yaml_values():
         ("swarm.run_id=a.b", "swarm.run_id", "'.'"),
         ("swarm.request_timeout=100", "swarm.request_timeout", "matchmaking_time"),
         ("logging.progress_bar=maybe", "logging.progress_bar", "expected bool"),
+        ("logging.tensorboard=yes please", "logging.tensorboard", "expected bool"),
+        ("logging.wandb_mode=cloud", "logging.wandb_mode", "offline, online"),
+        ("logging.wandb_project=team/proj", "logging.wandb_project", "WANDB_ENTITY"),
+        ("logging.wandb_project=' '", "logging.wandb_project", "project name"),
         ("model=3", "model", "mapping"),
     ],
 )

@@ -1,20 +1,24 @@
 """The training peer: join the swarm, run DiLoCo rounds over hivemind, report them, stop cleanly.
 
 Inputs:  a Config, PeerOptions (initial peers, log dir, network flags), a stop Event (set by signals).
-Output:  DIR/metrics.jsonl, the DHT record and a console line per round (report.py); DIR/run_metadata.json;
+Output:  DIR/metrics.jsonl, the DHT record and a console line per round (report.py), and the same record to
+         DIR/tensorboard and DIR/wandb when ``logging`` turns them on (trackers.py); DIR/run_metadata.json;
          DIR/checkpoints/round_NNNNNN every ``train.checkpoint_every`` rounds and at exit (the outer state plus
          this worker's inner AdamW state and place in its shard, so --resume loses nothing).
 State:   the Worker (model, inner AdamW, OuterState), the peer's Identity (one RSA key: libp2p peer id, DHT signer,
          gather-payload signer; identity.py), the DHT node (running validators.make_validators) and the
          PseudoGradAverager process, the StateSync that guards the outer state, the Membership announcements and
-         the Reporter. In a closed run (``swarm.authorized_keys``) the allowed peer ids go to all three.
-Failure: SwarmSetupError / SwarmUnreachableError / CheckpointError / IdentityError while joining (bad address, an
-         unusable key file or authorized_keys, a closed run that does not list this key, nobody answered,
-         state not downloadable, settings that differ from the swarm's, a damaged checkpoint); after joining a
-         round that fails is dropped and the next one starts (engine.py, protocol.py say which and why; guard.py
-         backs off, rolls back from a state whose loss stays non-finite, and after ``swarm.max_failed_rounds``
-         failed rounds in a row raises RoundsFailing: checkpoint first, exit 1). Any other error after joining:
-         checkpoint first, then it propagates. A state holding NaN/inf is never checkpointed.
+         the Reporter with its Trackers. In a closed run (``swarm.authorized_keys``) the allowed peer ids go to all
+         three.
+Failure: TrackerError (a ConfigError) at construction when a configured tracker's package is missing, and before
+         round 1 when a tracker cannot start (trackers.py); SwarmSetupError / SwarmUnreachableError / CheckpointError
+         / IdentityError while joining (bad address, an unusable key file or authorized_keys, a closed run that does
+         not list this key, nobody answered, state not downloadable, settings that differ from the swarm's, a
+         damaged checkpoint); after joining a round that fails is dropped and the next one starts (engine.py,
+         protocol.py say which and why; guard.py backs off, rolls back from a state whose loss stays non-finite, and
+         after ``swarm.max_failed_rounds`` failed rounds in a row raises RoundsFailing: checkpoint first, exit 1).
+         Any other error after joining: checkpoint first, then it propagates. A state holding NaN/inf is never
+         checkpointed.
 
 This module only orchestrates; each concern has its own:
   join.py      reach the run's members, compare fingerprints, the first outer state
@@ -52,6 +56,7 @@ from p2p_diloco.swarm.protocol import RoundRules
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.sync import StateSync
 from p2p_diloco.swarm.validators import make_validators, owner_subkey
+from p2p_diloco.trackers import Trackers, require
 
 __all__ = ["PeerOptions", "RoundsFailing", "StopRequested", "TrainingPeer"]
 
@@ -68,6 +73,7 @@ class TrainingPeer:
                 "model instead. Train it first (run_simulation --out DIR --set train.warm_start=... or any run), "
                 "export it (run_export --checkpoint DIR --out MODEL) and give every peer --set model.pretrained=MODEL"
             )
+        require(cfg.logging)  # a tracker's missing package: one line now, not after the data, the model and the join
         self.cfg, self.opts = cfg, opts
         self.log_dir = Path(opts.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -80,6 +86,7 @@ class TrainingPeer:
         self.sync: StateSync | None = None
         self.members: Membership | None = None
         self.reporter: Reporter | None = None
+        self.trackers: Trackers | None = None
         self.guard: RoundGuard | None = None
         self.peer_id = ""
         self.eval_sets = self.data.eval_sets()
@@ -165,7 +172,11 @@ class TrainingPeer:
         first_state(worker, sync, members, cfg, self.opts)
         wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
         self.averager.set_state_provider(self.sync.serve)
-        self.reporter = Reporter(cfg, self.log_dir, self.dht, self.peer_id, public_key)
+        # after the DHT and averager processes are forked (a wandb run must not be inherited), before round 1
+        self.trackers = Trackers.open(
+            cfg.logging, self.log_dir, self.peer_id, s.run_id, cfg.to_dict(), tokens_field="total_tokens"
+        )
+        self.reporter = Reporter(cfg, self.log_dir, self.dht, self.peer_id, public_key, self.trackers)
         self.guard = RoundGuard(
             self.sync, s.rollback_after, s.max_failed_rounds, self.opts.stop.wait, fallback=self._checkpointed_state
         )
@@ -327,11 +338,16 @@ class TrainingPeer:
         return state
 
     def close(self) -> None:
-        if self.averager is not None:
-            self.averager.shutdown()
-            self.averager = None
-        if self.worker is not None:
-            self.worker.close()
-        if self.dht is not None:
-            shutdown_dht(self.dht)
-            self.dht = None
+        try:
+            if self.averager is not None:
+                self.averager.shutdown()
+                self.averager = None
+            if self.worker is not None:
+                self.worker.close()
+            if self.dht is not None:
+                shutdown_dht(self.dht)
+                self.dht = None
+        finally:  # also when a second Ctrl-C interrupts the shutdown above: the trackers keep what they have
+            if self.trackers is not None:
+                self.trackers.close()
+                self.trackers = None

@@ -1,13 +1,15 @@
-"""What a training peer tells the world about its rounds: metrics.jsonl, its DHT record, the console.
+"""What a training peer tells the world about its rounds: metrics.jsonl, its DHT record, the console, trackers.
 
 Inputs:  a RoundResult per applied round and the round's wall seconds; per inner step, (step index, loss).
 Output:  one JSON line per round in LOG_DIR/metrics.jsonl (``RoundResult.record()`` plus ``peer_id``, ``time``,
-         ``total_tokens``, ``round_seconds``); the same summary as a signed PeerRecord under
+         ``total_tokens``, ``round_seconds``); then the same record to the trackers the config turns on
+         (trackers.py: TensorBoard, wandb); the same summary as a signed PeerRecord under
          ``{run_id}_metrics`` (records.py); one console line per round on stdout; inner-step progress (a tqdm bar
          on a terminal, else a log line every ``logging.log_every`` steps).
 State:   the tokens this peer has trained on since it started (``total_tokens``).
-Failure: a DHT that cannot take the record within ``swarm.dht_timeout`` is logged by ``publish_record`` (once);
-         nothing here stops training.
+Failure: a DHT that cannot take the record within ``swarm.dht_timeout`` is logged by ``publish_record`` (once); a
+         tracker that fails is logged once and disabled (trackers.py), after metrics.jsonl has its line; nothing
+         here stops training.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.engine import RoundResult
 from p2p_diloco.inner import peak_memory_bytes
 from p2p_diloco.swarm.records import PeerRecord, publish_record
+from p2p_diloco.trackers import Trackers
 
 __all__ = ["Reporter"]
 
@@ -31,8 +34,11 @@ log = logging.getLogger("p2p_diloco.peer")
 
 
 class Reporter:
-    def __init__(self, cfg: Config, log_dir: Path, dht: Any, peer_id: str, public_key: bytes) -> None:
+    def __init__(
+        self, cfg: Config, log_dir: Path, dht: Any, peer_id: str, public_key: bytes, trackers: Trackers | None = None
+    ) -> None:
         self.cfg, self.log_dir, self.dht, self.peer_id, self.public_key = cfg, log_dir, dht, peer_id, public_key
+        self.trackers = trackers if trackers is not None else Trackers([])
         self.total_tokens = 0
 
     def progress(self, round: int, device: Any) -> tuple[Callable[[int, float], None], Callable[[], None]]:
@@ -72,6 +78,7 @@ class Reporter:
         }
         with (self.log_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self.trackers.write(record)
         publish_record(
             self.dht,
             self.cfg.swarm.run_id,
