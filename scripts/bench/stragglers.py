@@ -6,7 +6,7 @@ Fixed H: nobody waits for the slow peer (it announces a later round end, join.py
 Usage:
     python scripts/bench/stragglers.py                        # tiny, 3 peers, one 3x slower, 120 s per swarm
     python scripts/bench/stragglers.py --seconds 120 --slowdown 3 --round-seconds 1.5 --max-steps 40
-    python scripts/bench/stragglers.py --smoke [--out DIR/stragglers.json]   # 2 peers, 6 s per swarm
+    python scripts/bench/stragglers.py --smoke [--out DIR/stragglers.json]   # 2 peers, 6 s, 3 of the 5 swarms
 
 Five swarms, one after the other, each of ``--peers`` real ``run_peer`` processes on 127.0.0.1 (tiny preset, one
 data shard each, the preset's swarm settings; inner.schedule constant so a run stopped by the clock is not
@@ -55,6 +55,7 @@ from scripts.procs import Throttle  # noqa: E402
 
 TINY = "configs/tiny.yaml"
 DEFAULTS = {"peers": 3, "seconds": 120.0, "slowdown": 3.0, "h": 25, "round_seconds": 1.5, "max_steps": 40}
+SMOKE_CASES = (1, 3, 4)  # --smoke runs the swarms with a slow peer only (fixed H, round_seconds, counted)
 SMOKE = {"peers": 2, "seconds": 6.0, "slowdown": 3.0, "h": 5, "round_seconds": 2.0, "max_steps": 40}
 COUNTED = ("apply", "catch_up")
 STALE = "swarm.max_staleness=4"  # a 3x slower peer reaches a group 2-3 rounds behind: its Δ counts (protocol.py)
@@ -160,19 +161,24 @@ def main(argv: list[str] | None = None) -> int:
         (f"round_seconds, one peer {args.slowdown:g}x slower", budget, True),
         (f"fixed H, one peer {args.slowdown:g}x slower, its delayed Δ counted", [STALE], True),
     ]
-    cases = []
+    cases, run = [], {}
+    chosen = SMOKE_CASES if args.smoke else range(len(plan))  # the smoke: one swarm per slow-peer code path
     with tempfile.TemporaryDirectory(prefix="bench_strag_") as tmp:
-        for k, (name, sets, slow) in enumerate(plan):
+        for k in chosen:
+            name, sets, slow = plan[k]
             print(f"stragglers: {name}, {args.peers} peers, {args.seconds:g}s", flush=True)
             c = run_case(f"case{k}", sets, slow, args, Path(tmp))
             c["label"] = name
             cases.append(c)
+            run[k] = c
             for j, s in enumerate(c["per_peer"]):
                 print(f"  peer {j}{' (slow)' if slow and j == args.peers - 1 else ''}: {s}", flush=True)
             print(f"  eval loss {c['eval_loss']} {c['problem'][:300]}", flush=True)
     rec.data["cases"] = cases
     for base, test in ((0, 1), (2, 3), (0, 3), (0, 4), (1, 4)):
-        b, t = cases[base], cases[test]
+        if base not in run or test not in run:
+            continue  # --smoke leaves the equal-peer swarms out
+        b, t = run[base], run[test]
         if b["eval_loss"] is None or t["eval_loss"] is None:
             rec.notes.append(f"{t['label']} vs {b['label']}: not measured ({t['problem'] or b['problem']})")
             continue
