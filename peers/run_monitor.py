@@ -32,7 +32,7 @@ from p2p_diloco.config import ConfigError, SwarmConfig, load_config
 from p2p_diloco.monitor import HISTORY_FILE, ConsoleView, Monitor
 from p2p_diloco.monitor_http import PlotCache, PortInUseError, bind
 from p2p_diloco.plots import write_plots
-from p2p_diloco.stopping import StopRequest
+from p2p_diloco.stopping import StopRequest, skip_exit_collection
 from p2p_diloco.swarm.dht import (
     SwarmSetupError,
     SwarmUnreachableError,
@@ -182,4 +182,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(skip_exit_collection(main()))

@@ -30,7 +30,7 @@ from pathlib import Path
 from p2p_diloco.checkpoint import CheckpointError
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.data import DataError
-from p2p_diloco.stopping import StopRequest
+from p2p_diloco.stopping import StopRequest, skip_exit_collection
 from p2p_diloco.swarm.dht import (
     SwarmSetupError,
     SwarmUnreachableError,
@@ -156,4 +156,4 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(skip_exit_collection(main()))

@@ -165,6 +165,7 @@ def _litter(peer) -> None:  # type: ignore[no-untyped-def]
 if __name__ == "__main__":
     install(sys.argv[1], float(sys.argv[2]))
     print(f"ATTACKING {sys.argv[1]} {sys.argv[2]}", flush=True)
+    from p2p_diloco.stopping import skip_exit_collection
     from peers.run_peer import main
 
-    sys.exit(main(sys.argv[3:]))
+    sys.exit(skip_exit_collection(main(sys.argv[3:])))

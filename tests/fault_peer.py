@@ -24,6 +24,7 @@ def _say_dying(sent: int) -> None:
 
 if __name__ == "__main__":
     install_kill_after_sends(int(sys.argv[1]), _say_dying)
+    from p2p_diloco.stopping import skip_exit_collection
     from peers.run_peer import main
 
-    sys.exit(main(sys.argv[2:]))
+    sys.exit(skip_exit_collection(main(sys.argv[2:])))

@@ -38,6 +38,7 @@ def install_poison(at_round: int) -> None:
 
 if __name__ == "__main__":
     install_poison(int(sys.argv[1]))
+    from p2p_diloco.stopping import skip_exit_collection
     from peers.run_peer import main
 
-    sys.exit(main(sys.argv[2:]))
+    sys.exit(skip_exit_collection(main(sys.argv[2:])))
