@@ -5,12 +5,14 @@ Inputs:  the signed per-peer records under ``f"{run_id}_metrics"`` (see swarm/re
          swarm/validators.py's ``make_validators`` (wrapped in swarm/reader.py's ``RejectCounter``); for a closed
          run, the ``authorized`` peer ids (``swarm.authorized_keys``): records of other peers are ignored.
 Output:  a :class:`SwarmSummary` per refresh: printed (a redrawn table on a tty, otherwise one status line
-         when something changed or a minute passed), appended as one JSON line to ``DIR/monitor.jsonl``, and
-         served by monitor_http.py (``/status``, ``/metrics``, ``/``).
+         when something changed or a minute passed, and one line per new sample), appended as one JSON line to
+         ``DIR/monitor.jsonl``, and served by monitor_http.py (``/status``, ``/metrics``, ``/``). With ``samples``
+         (``run_monitor --samples``: monitor_samples.py, in a thread of its own) each summary also carries the latest
+         sample of the vouched state and why the last attempt failed, if it did.
 State:   :class:`SwarmTracker` keeps what one read cannot tell: peers alive at the last read (to count joins
          and departures), each peer's latest total tokens (departed peers' tokens still count), the latest
          eval loss and the highest round seen. A restarted monitor appends to the same file and takes the
-         eval loss and the round count back from its last line.
+         eval loss, the round count and the sample back from its last line.
 Failure: no peers yet -> a summary with ``num_peers == 0`` and a "waiting" line, never an error. Entries
          under the key that fail the guard, signature, schema or bounds check are refused by hivemind inside the
          DHT process; swarm/reader.py's ``RejectCounter`` (a validator wrapper writing to a pipe) lets the host
@@ -31,6 +33,10 @@ Definitions (what the numbers mean):
                    at the first read count as joined)
   bad_records      entries refused in this refresh (each refused answer of a DHT node counts once);
                    ``bad_records_total`` since the monitor started
+  sample           with --samples: the latest sample (``time``, ``round``, ``checksum``: the vouched state it came
+                   from, ``prompt``, ``text``: the greedy continuation, ``seconds``: download + generation,
+                   ``download_seconds``), repeated in every line until the next one (a few hundred bytes); None
+                   before the first. ``sample_error``: why the last attempt failed (None when it did not)
 """
 
 from __future__ import annotations
@@ -45,12 +51,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from hivemind.dht import DHT
 
 from p2p_diloco.swarm.reader import Reading, RejectCounter, read_swarm
 from p2p_diloco.swarm.records import PeerRecord, metrics_key
+
+if TYPE_CHECKING:  # monitor_samples imports torch and transformers: only a monitor with --samples needs them
+    from p2p_diloco.monitor_samples import StateSampler
 
 __all__ = [
     "PeerStatus",
@@ -60,6 +69,7 @@ __all__ = [
     "jsonable",
     "render_table",
     "render_line",
+    "render_sample",
     "ConsoleView",
     "History",
     "Monitor",
@@ -67,6 +77,10 @@ __all__ = [
 
 log = logging.getLogger("p2p_diloco.monitor")
 HISTORY_FILE = "monitor.jsonl"
+# --samples (monitor_samples.py; here so that run_monitor's flags need no torch model code)
+DEFAULT_EVERY = 300.0  # seconds between samples: a download of the whole state each time (tiny: 5 MB; 150M: 1.2 GB)
+DEFAULT_PROMPT = "The function"  # fixed, so samples of successive rounds compare; the offline corpus is Python's docs
+DEFAULT_TOKENS = 48
 
 
 def _finite(x: float | None) -> float | None:
@@ -124,6 +138,8 @@ class SwarmSummary:
     peers: dict[str, PeerStatus] = field(default_factory=dict)
     read_seconds: float | None = None
     error: str | None = None
+    sample: dict[str, Any] | None = None  # with --samples: the latest StateSample (monitor_samples.py), as JSON
+    sample_error: str | None = None  # with --samples: why the last sample attempt failed (None: it did not)
 
     def to_json(self) -> dict[str, Any]:
         """Strict-JSON dict (NaN -> None): one line of monitor.jsonl and the body of ``/status``."""
@@ -271,8 +287,17 @@ def render_line(s: SwarmSummary) -> str:
     )
 
 
+def render_sample(sample: Mapping[str, Any]) -> str:
+    """One line for a summary's ``sample``."""
+    took = _num(sample.get("seconds"), "{:.1f}")
+    return (
+        f"sample of round {sample.get('round')} (checksum {sample.get('checksum')}, {took}s): "
+        f"{sample.get('prompt')!r} -> {sample.get('text')!r}"
+    )
+
+
 def render_table(s: SwarmSummary) -> str:
-    """The swarm line and one row per alive peer (tty console; also the page's fallback text)."""
+    """The swarm line, one row per alive peer and the latest sample (tty console; also the page's fallback text)."""
     rows = [render_line(s)]
     if s.peers:
         rows.append(f"  {'peer':<16}{'round':>6}{'loss':>9}{'tok/s':>10}{'tokens':>12}{'group':>6}{'seen':>7}")
@@ -281,12 +306,15 @@ def render_table(s: SwarmSummary) -> str:
                 f"  {_short(p.peer_id):<16}{p.round:>6}{_num(p.train_loss):>9}{p.tokens_per_second:>10,.0f}"
                 f"{p.total_tokens:>12,}{p.group_size:>6}{p.last_seen_seconds:>6.0f}s"
             )
+    if s.sample is not None:
+        rows.append("  " + render_sample(s.sample))
     return "\n".join(rows)
 
 
 class ConsoleView:
     """On a tty: the table, redrawn in place (what was printed above it stays). Otherwise: one status line when
-    the view changed (peers, round, eval, bad records, error) or ``heartbeat`` seconds passed."""
+    the view changed (peers, round, eval, bad records, error) or ``heartbeat`` seconds passed, and one line per new
+    sample."""
 
     def __init__(self, stream: TextIO, tty: bool | None = None, heartbeat: float = 60.0) -> None:
         self.stream, self.heartbeat = stream, heartbeat
@@ -294,6 +322,7 @@ class ConsoleView:
         self._last_key: tuple | None = None
         self._last_print = -math.inf
         self._drawn = 0  # lines of the table drawn last time (tty)
+        self._sample: tuple | None = None  # the last sample printed (not tty)
 
     def show(self, s: SwarmSummary) -> None:
         if self.tty:
@@ -307,6 +336,10 @@ class ConsoleView:
         if key != self._last_key or s.time - self._last_print >= self.heartbeat:
             print(render_line(s), file=self.stream, flush=True)
             self._last_key, self._last_print = key, s.time
+        sample = s.sample
+        if sample is not None and (sample.get("round"), sample.get("time")) != self._sample:
+            print(render_sample(sample), file=self.stream, flush=True)
+            self._sample = (sample.get("round"), sample.get("time"))
 
 
 # ----------------------------------------------------------------------------------------- history + loop
@@ -339,7 +372,8 @@ class History:
 
 
 class Monitor:
-    """refresh() = read + aggregate + print + append; run() repeats it every ``interval`` s until ``stop``."""
+    """refresh() = read + aggregate + print + append; run() repeats it every ``interval`` s until ``stop`` (and with
+    ``samples``, starts their thread: each refresh takes the latest sample into its summary)."""
 
     def __init__(
         self,
@@ -351,11 +385,15 @@ class Monitor:
         console: ConsoleView | None = None,
         stop: threading.Event | None = None,
         authorized: frozenset[str] | None = None,
+        samples: StateSampler | None = None,
     ) -> None:
         self.dht, self.run_id, self.interval, self.rejects = dht, run_id, interval, rejects
-        self.authorized = authorized
+        self.authorized, self.samples = authorized, samples
         self.history = History(out_dir)
-        self.tracker = SwarmTracker(run_id, resume_from=self.history.last())
+        last = self.history.last()
+        self.tracker = SwarmTracker(run_id, resume_from=last)
+        if samples is not None and last is not None:
+            samples.resume(last.get("sample"))
         self.console = console
         self.stop = stop or threading.Event()
         self._warned: set[str] = set()
@@ -400,6 +438,9 @@ class Monitor:
             summary = self.tracker.update(
                 reading.records, now, reading.expirations, bad=len(reading.bad), read_seconds=reading.seconds
             )
+        if self.samples is not None:
+            sample, error = self.samples.latest
+            summary = dataclasses.replace(summary, sample=sample.to_json() if sample else None, sample_error=error)
         self.history.append(summary)
         with self._lock:
             self._latest = summary
@@ -408,6 +449,8 @@ class Monitor:
         return summary
 
     def run(self) -> None:
+        if self.samples is not None:
+            self.samples.start()  # its own thread: a sample's download and generation never delay a refresh
         while not self.stop.is_set():
             started = time.monotonic()
             self.refresh()

@@ -1,7 +1,8 @@
 """The monitor over HTTP: ``/metrics`` (Prometheus text), ``/status`` (JSON), ``/`` (a live page), ``/plots/*.png``.
 
 Inputs:  a callable returning the latest :class:`~p2p_diloco.monitor.SwarmSummary` (or None before the first
-         refresh), and optionally a :class:`PlotCache` for the page's images.
+         refresh), optionally a :class:`PlotCache` for the page's images, and whether the monitor makes samples
+         (``--samples``: the page gets a "Sample" section, filled from the summary's ``sample`` and ``sample_error``).
 Output:  a stdlib ``ThreadingHTTPServer`` serving from a daemon thread.
 State:   none of its own beyond the server socket; the Prometheus collector reads the latest summary on each
          scrape (its own ``CollectorRegistry``, nothing process-global), the plot cache re-renders at most
@@ -116,12 +117,21 @@ class PlotCache:
             return self._pngs.get(name)
 
 
-def page_html(refresh_ms: int, plots: bool) -> str:
-    """The page: numbers filled in by JS from ``/status`` every ``refresh_ms``; plots reloaded every 30 s."""
+def page_html(refresh_ms: int, plots: bool, samples: bool = False) -> str:
+    """The page: numbers filled in by JS from ``/status`` every ``refresh_ms``; plots reloaded every 30 s; with
+    ``samples`` a "Sample" section (the latest sample's round, checksum, prompt and text, or why there is none)."""
     imgs = "".join(
         f'<img data-src="plots/{n}.png" src="plots/{n}.png" alt="{html.escape(n)}" width="400">' for n in PLOT_NAMES
     )
-    return _PAGE.replace("__REFRESH_MS__", str(int(refresh_ms))).replace("__PLOTS__", imgs if plots else "")
+    page = _PAGE.replace("__REFRESH_MS__", str(int(refresh_ms))).replace("__PLOTS__", imgs if plots else "")
+    return page.replace("__SAMPLE__", _SAMPLE if samples else "")
+
+
+# the model's text is set with textContent (never parsed as HTML): a state can hold any bytes
+_SAMPLE = """<div id="sample"><h3>Sample <span id="sample-round"></span></h3>
+<pre id="sample-text"><b id="sample-prompt"></b><span id="sample-continuation"></span></pre>
+<div id="sample-meta" class="meta">no sample yet</div><div id="sample-error" class="meta"></div></div>
+"""
 
 
 _PAGE = """<!doctype html>
@@ -131,6 +141,9 @@ body{font-family:sans-serif;margin:1.5em;color:#222} table{border-collapse:colla
 td,th{padding:.2em .8em;border-bottom:1px solid #ddd;text-align:right} th{background:#f3f3f3}
 td:first-child,th:first-child{text-align:left} .big{font-size:1.6em;font-weight:bold} #state{color:#a00}
 img{margin:.3em;border:1px solid #ddd}
+#sample{margin:1em 0 1.2em} #sample h3{margin:.4em 0}
+#sample pre{white-space:pre-wrap;background:#f7f7f7;border:1px solid #ddd;padding:.6em;max-width:60em;margin:.4em 0}
+#sample b{color:#555} .meta{color:#666;font-size:.9em} #sample-error{color:#a00}
 </style></head><body>
 <h2>p2p_diloco swarm <span id="run-id"></span></h2>
 <div id="state">waiting for the first refresh...</div>
@@ -141,7 +154,7 @@ img{margin:.3em;border:1px solid #ddd}
 <td id="peers-joined">-</td><td id="peers-left">-</td><td id="bad-records">-</td></tr></table>
 <table id="peers"><thead><tr><th>peer</th><th>round</th><th>train loss</th><th>tokens/s</th><th>tokens</th>
 <th>group</th><th>last seen</th></tr></thead><tbody></tbody></table>
-<div id="plots">__PLOTS__</div>
+__SAMPLE__<div id="plots">__PLOTS__</div>
 <p><a href="status">/status</a> &middot; <a href="metrics">/metrics</a> &middot;
 updated <span id="updated">never</span></p>
 <noscript>This page needs JavaScript; <a href="status">/status</a> has the same numbers.</noscript>
@@ -149,6 +162,14 @@ updated <span id="updated">never</span></p>
 function fmt(x, d){ return x === null || x === undefined ? "-" : (typeof x === "number" ? x.toFixed(d) : x); }
 function int(x){ return x === null || x === undefined ? "-" : Math.round(x).toLocaleString("en-US"); }
 function set(id, text){ document.getElementById(id).textContent = text; }
+function showSample(x, error){
+  set("sample-error", error ? "last attempt failed: " + error : "");
+  if (!x) return;
+  set("sample-round", "from round " + x.round); set("sample-prompt", x.prompt); set("sample-continuation", x.text);
+  set("sample-meta", "the state the swarm vouches for at round " + x.round + " (checksum " + x.checksum +
+      "), greedy; made " + new Date(x.time * 1000).toLocaleTimeString() + " in " + fmt(x.seconds, 1) +
+      " s (download " + fmt(x.download_seconds, 1) + " s)");
+}
 async function refresh(){
   try {
     const r = await fetch("status", {cache: "no-store"});
@@ -167,6 +188,7 @@ async function refresh(){
       for (const v of [p.peer_id, p.round, fmt(p.train_loss, 4), int(p.tokens_per_second), int(p.total_tokens),
                        p.group_size, fmt(p.last_seen_seconds, 0) + " s"]) { row.insertCell().textContent = v; }
     }
+    if (document.getElementById("sample")) showSample(s.sample, s.sample_error);
     set("updated", new Date(s.time * 1000).toLocaleTimeString());
   } catch (e) { set("state", "monitor unreachable: " + e); }
 }
@@ -217,12 +239,18 @@ class MonitorServer(ThreadingHTTPServer):
     allow_reuse_port = False  # newer Pythons set SO_REUSEPORT on HTTPServer: a busy port must fail, not share
 
     def __init__(
-        self, host: str, port: int, get_summary: GetSummary, refresh_ms: int, plots: PlotCache | None = None
+        self,
+        host: str,
+        port: int,
+        get_summary: GetSummary,
+        refresh_ms: int,
+        plots: PlotCache | None = None,
+        samples: bool = False,
     ) -> None:
         super().__init__((host, port), _Handler)
         self.get_summary, self.plots = get_summary, plots
         self.registry = make_registry(get_summary)
-        self.page = page_html(refresh_ms, plots is not None)
+        self.page = page_html(refresh_ms, plots is not None, samples)
         self._thread: threading.Thread | None = None
 
     @property
@@ -242,11 +270,16 @@ class MonitorServer(ThreadingHTTPServer):
 
 
 def bind(
-    host: str, port: int, get_summary: GetSummary, refresh_ms: int, plots: PlotCache | None = None
+    host: str,
+    port: int,
+    get_summary: GetSummary,
+    refresh_ms: int,
+    plots: PlotCache | None = None,
+    samples: bool = False,
 ) -> MonitorServer:
     """Bind the server (not yet serving); :class:`PortInUseError` when the port is taken or not permitted."""
     try:
-        return MonitorServer(host, port, get_summary, refresh_ms, plots)
+        return MonitorServer(host, port, get_summary, refresh_ms, plots, samples)
     except OSError as exc:
         if exc.errno in (errno.EADDRINUSE, errno.EACCES):
             what = "already in use" if exc.errno == errno.EADDRINUSE else "not permitted for this user"

@@ -12,6 +12,8 @@
 #   --run-dir DIR    where everything is written (default runs/local_swarm); this script's previous output
 #                    there (peerK/, monitor/, bootstrap.log) is replaced
 #   --interval S     monitor refresh seconds (default 2)
+#   --samples        the monitor also shows samples of the state the swarm vouches for (run_monitor --samples,
+#                    every 30 s; it gets the peers' --config and --set)
 #   -- ARGS...       passed as-is to every run_peer (e.g. --set swarm.record_ttl=30)
 #
 # Writes: DIR/bootstrap.log, DIR/peerK/{stdout.log,metrics.jsonl,run_metadata.json,checkpoints/},
@@ -26,8 +28,9 @@ PORT=8080
 CONFIG=configs/tiny.yaml
 RUN_DIR=runs/local_swarm
 INTERVAL=2
+SAMPLES=0
 PEER_ARGS=()
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --peers) PEERS="$2"; shift 2 ;;
@@ -35,6 +38,7 @@ while [[ $# -gt 0 ]]; do
     --config) CONFIG="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --interval) INTERVAL="$2"; shift 2 ;;
+    --samples) SAMPLES=1; shift ;;
     --) shift; PEER_ARGS=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) echo "local_swarm.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
@@ -122,8 +126,14 @@ local_swarm.sh: peers' logs    $RUN_DIR/peer{0..$((PEERS - 1))}/stdout.log and m
 local_swarm.sh: monitor        $RUN_DIR/monitor/monitor.jsonl (warnings: $RUN_DIR/monitor/stderr.log)
 local_swarm.sh: Ctrl-C stops everything
 EOF
+MONITOR_SAMPLES=()
+if ((SAMPLES)); then  # the settings the peers' fingerprint is made of: their config and --set overrides
+  MONITOR_SAMPLES=(--samples --sample-every 30 --config "$CONFIG" ${SHARDS[@]+"${SHARDS[@]}"})
+  for s in ${SETS[@]+"${SETS[@]}"}; do MONITOR_SAMPLES+=(--set "$s"); done
+fi
 start - "$PY" -m peers.run_monitor --initial-peers "${INITIAL_PEERS[@]}" --run-id "$RUN_ID" --out "$RUN_DIR/monitor" \
-  --port "$PORT" --interval "$INTERVAL" "${LOCAL[@]}" --peer-logs "${PEER_DIRS[@]}" 2>"$RUN_DIR/monitor/stderr.log"
+  --port "$PORT" --interval "$INTERVAL" "${LOCAL[@]}" --peer-logs "${PEER_DIRS[@]}" \
+  ${MONITOR_SAMPLES[@]+"${MONITOR_SAMPLES[@]}"} 2>"$RUN_DIR/monitor/stderr.log"
 MONITOR_PID=${PIDS[1]}
 until "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$URL" 2>/dev/null; do
   if ! kill -0 "$MONITOR_PID" 2>/dev/null; then

@@ -7,10 +7,12 @@ against the peers' own metrics.jsonl, a garbage record, a departing peer, signal
 from __future__ import annotations
 
 import dataclasses
+import html
 import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,7 +32,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2p_diloco.monitor import ConsoleView, History, SwarmTracker, current_round, render_line
+from p2p_diloco.monitor import DEFAULT_PROMPT, ConsoleView, History, SwarmTracker, current_round, render_line
 from p2p_diloco.monitor_http import PlotCache, PortInUseError, bind, make_registry
 from p2p_diloco.plots import PLOT_NAMES, render_plots, write_plots
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht
@@ -306,6 +308,11 @@ PEER_SETS = [
 ]
 
 
+# the peers' config and --set: the fingerprint a monitor with --samples checks the state with
+SAMPLES = ["--config", str(ROOT / "configs" / "tiny.yaml"), *(x for s in PEER_SETS for x in ("--set", s)),
+           "--samples", "--sample-tokens", "16"]  # fmt: skip
+
+
 def monitor_args(initial: list[str], out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "peers.run_monitor", "--initial-peers", *initial, "--out", str(out),
             "--run-id", RUN, "--interval", "1", *LOCAL, *extra]  # fmt: skip
@@ -332,14 +339,16 @@ def wait_status(url: str, predicate, timeout: float) -> dict:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    """bootstrap + monitor (started first, so it waits for peers) + 2 training peers, for this module's tests."""
+    """bootstrap + monitor (started first, so it waits for peers; with --samples) + 2 training peers, for this
+    module's tests."""
     tmp = tmp_path_factory.mktemp("swarm")
     procs: list[Proc] = []
     try:
         boot = Proc([sys.executable, "-m", "peers.run_bootstrap", *LOCAL])
         procs.append(boot)
         initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
-        monitor = Proc(monitor_args(initial, tmp / "mon", "--port", "0"))
+        # --sample-every 10: a download every round would spend the peers' swarm.max_state_downloads budget
+        monitor = Proc(monitor_args(initial, tmp / "mon", "--port", "0", *SAMPLES, "--sample-every", "10"))
         procs.append(monitor)
         url = monitor.wait_for_line(r"^monitor page: (\S+)", timeout=90).group(1)
         waiting = monitor.wait_for_line(r"no peers yet", timeout=30).string
@@ -393,16 +402,8 @@ def test_status_metrics_and_the_page_in_a_browser(swarm, tmp_path):
     assert families["p2p_diloco_peers_alive"].samples[0].value in (1, 2)
     assert families["p2p_diloco_tokens"].samples[0].name == "p2p_diloco_tokens_total"
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("headless Chromium missing: run scripts/install_browser.sh")
     for _attempt in range(3):  # under load a record can expire for a moment; the page must show what /status shows
-        dom = subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=5000", "--dump-dom", swarm["url"]],
-            capture_output=True, text=True, timeout=90,
-        ).stdout  # fmt: skip
+        dom = chromium_dom(swarm["url"], tmp_path / "chromium")
         shown = dom.split('id="num-peers">', 1)[-1].split("<", 1)[0]
         if shown == "2":
             break
@@ -466,6 +467,44 @@ def test_garbage_record_is_ignored_counted_and_warned_once(swarm):
     assert len(warnings) == 1 and "schema" in warnings[0], warnings  # once per key, however often it is seen
 
 
+def chromium_dom(url: str, profile: Path) -> str:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("headless Chromium missing: run scripts/install_browser.sh")
+    return subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={profile}", "--virtual-time-budget=5000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=90,
+    ).stdout  # fmt: skip
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_samples_come_from_a_state_the_peers_logged_and_show_in_status_history_console_and_page(swarm, tmp_path):
+    """The monitor's --samples (the peers' config and --set give it the fingerprint): its sample's (round, checksum)
+    is one the peers logged, and it shows everywhere a summary goes. A client-mode monitor's: the departure test."""
+    status = wait_status(swarm["url"], lambda s: s.get("sample") is not None, timeout=90)
+    sample = status["sample"]
+    assert sample["round"] > 0 and sample["text"] and sample["prompt"] == DEFAULT_PROMPT, sample
+    assert sample["seconds"] >= sample["download_seconds"] > 0
+
+    def logged() -> set[tuple[int, str]]:  # a peer announces a new state before its round's log line is written
+        lines = [line for k in range(2) for line in (swarm["tmp"] / f"peer{k}" / "metrics.jsonl").open()]
+        return {(r["outer_step"], r["checksum"]) for r in map(json.loads, lines)}
+
+    assert wait_until(lambda: (sample["round"], sample["checksum"]) in logged(), 15), (sample, sorted(logged()))
+    shown = swarm["monitor"].wait_for_line(r"^sample of round (\d+) \(checksum (\w+)", timeout=15)
+    assert int(shown.group(1)) > 0 and (int(shown.group(1)), shown.group(2)) in logged()
+    dom = chromium_dom(swarm["url"], tmp_path / "chromium")  # the page's JS filled the section in from /status
+    page_round = re.search(r'id="sample-round">from round (\d+)<', dom)
+    assert page_round and int(page_round.group(1)) >= sample["round"], dom[:4000]  # this sample, or a newer one
+    assert f'id="sample-prompt">{html.escape(DEFAULT_PROMPT)}</b><span id="sample-continuation">' in dom, dom[:4000]
+    assert 'id="sample-continuation"></span>' not in dom, dom[:4000]  # a text was shown
+    history = [json.loads(line) for line in (swarm["tmp"] / "mon" / "monitor.jsonl").read_text().splitlines()]
+    assert sample in [h["sample"] for h in history]
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(180)
 def test_departure_shows_after_expiry_then_signals_exit_cleanly_and_a_restart_continues(swarm):
@@ -485,9 +524,19 @@ def test_departure_shows_after_expiry_then_signals_exit_cleanly_and_a_restart_co
     assert wait_until(lambda: not live_group_members(monitor.pgid), 10), live_group_members(monitor.pgid)
     lines_before = len(history.read_text().splitlines())
 
-    again = Proc(monitor_args(swarm["initial"], swarm["tmp"] / "mon", "--client-mode"))  # reads, takes no connections
+    resumed = json.loads(history.read_text().splitlines()[-1])["sample"]
+    assert resumed is not None and resumed["round"] > 0
+    # reads, takes no connections, and downloads samples as a client
+    again = Proc(monitor_args(swarm["initial"], swarm["tmp"] / "mon", "--client-mode", *SAMPLES, "--sample-every", "3"))
+
+    def seen() -> bool:  # the lone peer alive, and a sample of one of its later rounds (the history's comes first)
+        lines = list(again.stdout_lines)
+        rounds = [int(m.group(1)) for line in lines if (m := re.match(r"sample of round (\d+) ", line))]
+        alone = any(re.search(r"round \d+  peers 1 ", line) for line in lines)
+        return alone and max(rounds, default=0) > resumed["round"]
+
     try:
-        again.wait_for_line(r"round \d+  peers 1 ", timeout=90)
+        assert wait_until(seen, 120, poll=0.5), again.describe()
         again.popen.send_signal(signal.SIGINT)
         assert again.wait(timeout=30) == 0, again.describe()
         assert wait_until(lambda: not live_group_members(again.pgid), 10), live_group_members(again.pgid)
@@ -496,4 +545,5 @@ def test_departure_shows_after_expiry_then_signals_exit_cleanly_and_a_restart_co
     records = [json.loads(line) for line in history.read_text().splitlines()]
     assert len(records) > lines_before and records[-1]["time"] > records[lines_before - 1]["time"]
     assert records[-1]["rounds_completed"] >= records[lines_before - 1]["rounds_completed"]
+    assert all(r["sample"] is not None for r in records[lines_before:])  # it went on from the history's sample
     assert all(math.isfinite(r["time"]) for r in records) and os.path.getsize(history) > 0

@@ -50,7 +50,8 @@ other still agree. A client thus trusts the nodes' views for the other clients' 
 node is hostile, that node could tell one client "all complete" while another client's result differed (the
 per-round checksum comparison of outer states is the backstop). It serves no
 state. With ``reachable_members`` at 0 (no live node in the run) ``reduce`` returns the local result at once, with
-``NO_REACHABLE_MEMBER`` as the reason.
+``NO_REACHABLE_MEMBER`` as the reason. ``client_mode=True`` makes an averager a client on a reachable DHT node too:
+the monitor's samples (monitor_samples.py) download the state that way and serve nothing.
 
 Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
 process (the group is assembled; a group smaller than the expected size forms only at the leader's
@@ -194,6 +195,7 @@ class PseudoGradAverager(DecentralizedAverager):
         authorized: frozenset[str] | None = None,
         max_state_downloads: int = 4,
         compression: str = "none",
+        client_mode: bool | None = None,
         start: bool = True,
         shutdown_timeout: float = 5.0,
     ):
@@ -220,6 +222,7 @@ class PseudoGradAverager(DecentralizedAverager):
             compression=WireCodec(get_codec(compression)),
             state_compression=NoCompression(),
             allow_state_sharing=False,
+            client_mode=client_mode,  # None: the DHT's mode; True: serve nothing even on a reachable node (the monitor)
             shutdown_timeout=shutdown_timeout,
         )
         self.matchmaking_time, self.request_timeout_s = matchmaking_time, request_timeout

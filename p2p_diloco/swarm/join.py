@@ -7,9 +7,10 @@ Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint``
          its fingerprint, the summary, its round and the tags of its last 8 outer states, the last one the state
          it holds, and ``client`` when it runs in client mode (it vouches, but is no donor and leads and reduces
          nothing); refreshed after every change of the state and every round) and the others' announcements
-         (``vouches``: what sync.py's downloads trust); ``first_state``: the worker holds its starting outer state
-         (checkpoint, seed or the swarm's) when it returns; ``wait_for_start_peers``: holds round 1 until
-         ``swarm.start_peers`` peers are up. In a closed run only the listed peers' announcements count.
+         (``vouches``: what sync.py's downloads trust; ``Announcements`` is that reading side alone, for a reader
+         that announces nothing: the monitor's samples, monitor_samples.py); ``first_state``: the worker holds its
+         starting outer state (checkpoint, seed or the swarm's) when it returns; ``wait_for_start_peers``: holds
+         round 1 until ``swarm.start_peers`` peers are up. In a closed run only the listed peers' announcements count.
 State:   our recent tags; the DHT entries, which expire ``swarm.record_ttl`` after the last announcement.
          Every DHT read and write here has a deadline (``swarm.dht_timeout``; dht.bounded): a lookup that never
          answers (a stranger's unparseable value under the key, a dead DHT) reads as "no other peer" and a write
@@ -41,7 +42,7 @@ from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.sync import StateSync, Vouches
 from p2p_diloco.swarm.validators import MAX_STATES, States, owner_subkey
 
-__all__ = ["Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
+__all__ = ["Announcements", "Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
 log = logging.getLogger("p2p_diloco.join")
 
@@ -64,12 +65,73 @@ class PeerOptions:
     stop: threading.Event = field(default_factory=threading.Event)
 
 
-class Membership:
-    """The run's signed announcements in the DHT: ours, and everybody else's (see the module docstring)."""
+class Announcements:
+    """The run's signed announcements as anyone reads them (see the module docstring): the other peers', their
+    settings and the states they vouch for. ``peer_id``: whose own announcement to leave out (a peer's; "" for a
+    reader that announces nothing, such as the monitor's samples)."""
+
+    LIVE = 30.0  # an announcement refreshed longer ago than this is a peer that left: it vouches, but is not "there"
+
+    def __init__(
+        self, dht: Any, cfg: Config, fingerprint: str, authorized: frozenset[str] | None = None, peer_id: str = ""
+    ) -> None:
+        self.dht, self.cfg, self.peer_id = dht, cfg, peer_id
+        self.fingerprint, self.authorized = fingerprint, authorized
+        self.key = f"{cfg.swarm.run_id}_fingerprint"
+        self.timeout = cfg.swarm.dht_timeout
+
+    def others(self) -> dict[str, dict]:
+        """Announcements of the other peers of this run by peer id, whatever their settings ({} when the DHT does
+        not answer within ``swarm.dht_timeout``). Only signed ones count, each under its signer's peer id; in a
+        closed run, only those of listed peers. Each carries ``"live"``: whether it was refreshed within LIVE
+        seconds (read from its DHT expiration, assuming the run's ``swarm.record_ttl``)."""
+        found = bounded(
+            lambda: self.dht.get(self.key, latest=True, return_future=True),
+            self.timeout,
+            "reading the run's members from the DHT",
+            None,
+        )
+        value = getattr(found, "value", None)
+        entries = value if isinstance(value, dict) else {}
+        out = {}
+        announced_after = get_dht_time() - self.LIVE + self.cfg.swarm.record_ttl  # as an expiration time
+        for subkey, item in entries.items():
+            peer = signer_of(subkey)
+            announcement = getattr(item, "value", None)
+            if peer is None or peer == self.peer_id or not isinstance(announcement, dict):
+                continue
+            if self.authorized is None or peer in self.authorized:
+                expires = getattr(item, "expiration_time", 0.0)
+                out[peer] = {**announcement, "live": isinstance(expires, float) and expires >= announced_after}
+        return out
+
+    def mates(self) -> list[dict]:
+        """Announcements of the other peers that share our fingerprint (they can average with us)."""
+        return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
+
+    def vouches(self) -> Vouches:
+        """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch).
+        A peer that left (its announcement not refreshed within LIVE seconds) still vouches for what it held, but
+        is neither a donor nor one of the peers the quorum is taken over."""
+        out = Vouches()
+        for peer, announcement in self.others().items():
+            if announcement.get("fingerprint") != self.fingerprint:
+                continue
+            tags = _tags_of(announcement)
+            for tag in tags:
+                out.vouchers.setdefault(tag, set()).add(peer)
+            if announcement["live"]:
+                out.peers += 1
+                if tags and not announcement.get("client"):  # a client-mode peer cannot be dialled to serve it
+                    out.holders.setdefault(tags[-1], []).append(peer)
+        return out
+
+
+class Membership(Announcements):
+    """This peer's announcement in the DHT, and everybody else's (see the module docstring)."""
 
     HISTORY = MAX_STATES  # the tags of our last states we vouch for
     HEARTBEAT = 10.0  # seconds between refreshes of our announcement while the state does not change (``refresh``)
-    LIVE = 30.0  # an announcement refreshed longer ago than this is a peer that left: it vouches, but is not "there"
 
     def __init__(
         self,
@@ -81,11 +143,9 @@ class Membership:
         authorized: frozenset[str] | None = None,
         client: bool = False,
     ) -> None:
-        self.dht, self.cfg, self.peer_id, self.client = dht, cfg, identity.peer_id, client
-        self.fingerprint, self.summary, self.authorized = fingerprint, summary, authorized
-        self.key = f"{cfg.swarm.run_id}_fingerprint"
+        super().__init__(dht, cfg, fingerprint, authorized, identity.peer_id)
+        self.client, self.summary = client, summary
         self.subkey = owner_subkey(identity.public_key)
-        self.timeout = cfg.swarm.dht_timeout
         self.states: list[RoundTag] = []  # our recent tags, oldest first
         self.ready_at = 0.0  # when our current inner steps end (DHT time; 0.0: not known)
         self.patience = cfg.swarm.matchmaking_time  # how much later than now a mate may be ready and be waited for
@@ -135,35 +195,6 @@ class Membership:
             return True
         return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
-    def others(self) -> dict[str, dict]:
-        """Announcements of the other peers of this run by peer id, whatever their settings ({} when the DHT does
-        not answer within ``swarm.dht_timeout``). Only signed ones count, each under its signer's peer id; in a
-        closed run, only those of listed peers. Each carries ``"live"``: whether it was refreshed within LIVE
-        seconds (read from its DHT expiration, assuming the run's ``swarm.record_ttl``)."""
-        found = bounded(
-            lambda: self.dht.get(self.key, latest=True, return_future=True),
-            self.timeout,
-            "reading the run's members from the DHT",
-            None,
-        )
-        value = getattr(found, "value", None)
-        entries = value if isinstance(value, dict) else {}
-        out = {}
-        announced_after = get_dht_time() - self.LIVE + self.cfg.swarm.record_ttl  # as an expiration time
-        for subkey, item in entries.items():
-            peer = signer_of(subkey)
-            announcement = getattr(item, "value", None)
-            if peer is None or peer == self.peer_id or not isinstance(announcement, dict):
-                continue
-            if self.authorized is None or peer in self.authorized:
-                expires = getattr(item, "expiration_time", 0.0)
-                out[peer] = {**announcement, "live": isinstance(expires, float) and expires >= announced_after}
-        return out
-
-    def mates(self) -> list[dict]:
-        """Announcements of the other peers that share our fingerprint (they can average with us)."""
-        return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
-
     def _readiness(self) -> tuple[int, list[float]]:
         """(how many live mates are ready for a round's matchmaking now, when the others will be), by their
         announced ``ready_at``: up to ``patience`` from now, or since at most ``swarm.matchmaking_time`` (still
@@ -197,23 +228,6 @@ class Membership:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
         reduce for a client-mode peer."""
         return sum(1 for v in self.mates() if v.get("live") and not v.get("client"))
-
-    def vouches(self) -> Vouches:
-        """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch).
-        A peer that left (its announcement not refreshed within LIVE seconds) still vouches for what it held, but
-        is neither a donor nor one of the peers the quorum is taken over."""
-        out = Vouches()
-        for peer, announcement in self.others().items():
-            if announcement.get("fingerprint") != self.fingerprint:
-                continue
-            tags = _tags_of(announcement)
-            for tag in tags:
-                out.vouchers.setdefault(tag, set()).add(peer)
-            if announcement["live"]:
-                out.peers += 1
-                if tags and not announcement.get("client"):  # a client-mode peer cannot be dialled to serve it
-                    out.holders.setdefault(tags[-1], []).append(peer)
-        return out
 
     def check(self) -> None:
         """Refuse to join a run in which every other peer has other settings; warn about the odd ones out."""

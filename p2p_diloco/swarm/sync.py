@@ -8,7 +8,8 @@ Inputs:  the Worker whose OuterState this guards; the averager (``manifest`` and
          the new tag at once, so others may vouch for it).
 Output:  ``serve`` (the snapshot other peers download), ``fetch(wanted)`` (the one download path: the furthest state
          that ``state_quorum`` peers, or all there are when fewer, vouch for, or our own, in pieces from its holders
-         in parallel: download.py), and what the peer does with it: ``download`` (join, resume), ``catch_up``
+         in parallel: download.py; ``fetch_vouched`` is that path without a worker, which the monitor's samples take
+         too: monitor_samples.py), and what the peer does with it: ``download`` (join, resume), ``catch_up``
          and ``resync`` (after a round, see protocol.py); ``apply_outer`` (the round's outer step, under the lock).
          For rounds that fail (guard.py): ``begin_round``, ``round_ran``, ``discard_round`` and ``last_good``.
 State:   the lock that guards the worker's outer state against hivemind's state-serving thread; ``consensus``:
@@ -33,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,7 @@ from p2p_diloco.state_parts import part_digests, state_checksum
 from p2p_diloco.swarm.download import download_state
 from p2p_diloco.swarm.protocol import RoundTag
 
-__all__ = ["Offer", "StateSync", "Vouches"]
+__all__ = ["Offer", "StateSync", "Vouches", "fetch_vouched"]
 
 log = logging.getLogger("p2p_diloco.sync")
 
@@ -66,7 +67,7 @@ class Vouches:
         """``swarm.state_quorum``, or all the peers there are when fewer (at least 1)."""
         return max(1, min(wanted, self.peers))
 
-    def offers(self, wanted: int, mine: RoundTag) -> list[tuple[RoundTag, list[str]]]:
+    def offers(self, wanted: int, mine: RoundTag | None) -> list[tuple[RoundTag, list[str]]]:
         """(tag, donors) for every state some peer holds that enough peers vouch for (or that is our own), the
         furthest round first. A tag vouched for by fewer peers is left out, whatever round it claims."""
         quorum = self.quorum(wanted)
@@ -77,7 +78,7 @@ class Vouches:
         ]
         return sorted(vouched, key=lambda item: (-item[0].round, item[0].checksum))
 
-    def unvouched(self, wanted: int, mine: RoundTag) -> list[RoundTag]:
+    def unvouched(self, wanted: int, mine: RoundTag | None) -> list[RoundTag]:
         """The tags peers hold that the swarm does not vouch for (logged: a faulty or lying peer)."""
         good = {tag for tag, _ in self.offers(wanted, mine)}
         return sorted(tag for tag in self.holders if tag not in good)
@@ -93,6 +94,36 @@ class Offer:
     @property
     def tag(self) -> RoundTag:
         return RoundTag(self.state.round, self.state.checksum())
+
+
+def fetch_vouched(
+    averager: Any,
+    vouches: Vouches,
+    shapes: Sequence[torch.Tensor],
+    fingerprint: str,
+    quorum: int,
+    timeout: float,
+    wanted: Callable[[RoundTag], bool] = lambda tag: True,
+    mine: RoundTag | None = None,
+) -> Offer | None:
+    """The furthest state ``vouches`` offers (Vouches.offers: ``quorum`` peers, or all there are when fewer, vouch for
+    it) that ``wanted`` accepts and is not ``mine``, in pieces from its holders (download.py); None (logged) when there
+    is none within ``timeout``. ``shapes``: tensors of the state's shapes (anchor then momentum; only their shapes are
+    read). The one download path: StateSync.fetch for a peer, monitor_samples.py for the monitor (``mine`` None)."""
+    for tag in vouches.unvouched(quorum, mine):
+        log.warning("not downloading %s: fewer than %d peers vouch for it", tag, vouches.quorum(quorum))
+    deadline = time.monotonic() + timeout
+    for tag, donors in vouches.offers(quorum, mine):
+        if tag == mine or not wanted(tag):
+            continue
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.warning("no verified outer state within swarm.state_timeout=%gs", timeout)
+            return None
+        got = download_state(averager, shapes, fingerprint, tag, donors, left)
+        if got is not None:
+            return Offer(*got)
+    return None
 
 
 class StateSync:
@@ -148,23 +179,10 @@ class StateSync:
 
     # ---------------------------------------------------------------- fetching
     def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True) -> Offer | None:
-        """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts, in pieces from its
-        holders (download.py); None (logged) when there is none within ``swarm.state_timeout``."""
-        vouches, mine = self.vouches(), self.tag()
-        for tag in vouches.unvouched(self.quorum, mine):
-            log.warning("not downloading %s: fewer than %d peers vouch for it", tag, vouches.quorum(self.quorum))
-        deadline = time.monotonic() + self.timeout
-        for tag, donors in vouches.offers(self.quorum, mine):
-            if tag == mine or not wanted(tag):
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("no verified outer state within swarm.state_timeout=%gs", self.timeout)
-                return None
-            got = download_state(self.averager, self.worker.state.tensors(), self.fingerprint, tag, donors, left)
-            if got is not None:
-                return Offer(*got)
-        return None
+        """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts and that is not ours, in
+        pieces from its holders (``fetch_vouched``); None (logged) when there is none within ``swarm.state_timeout``."""
+        vouches, mine, shapes = self.vouches(), self.tag(), self.worker.state.tensors()
+        return fetch_vouched(self.averager, vouches, shapes, self.fingerprint, self.quorum, self.timeout, wanted, mine)
 
     def vouched_past(self, round: int) -> bool:
         """Whether the swarm vouches for a state some peer holds past ``round`` (one worth waiting for)."""
