@@ -90,10 +90,10 @@ def load_outer_state(directory: str | Path) -> tuple[OuterState, dict[str, Any]]
         n = int(meta["num_tensors"])
         anchor = [tensors[f"anchor.{k}"] for k in range(n)]
         momentum = [tensors[f"momentum.{k}"] for k in range(n)]
-    except (OSError, ValueError, KeyError, SafetensorError) as exc:
-        raise CheckpointError(f"checkpoint {directory} is unreadable ({exc}): {_FALLBACK}") from None
-    rounds = meta["round"] if "round" in meta else meta["step"]  # checkpoints written before the rename say "step"
-    state = OuterState(anchor=anchor, momentum=momentum, round=int(rounds))
+        rounds = int(meta["round"] if "round" in meta else meta["step"])  # written before the rename: "step"
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:  # TypeError: META not an object
+        raise CheckpointError(f"checkpoint {directory} is unreadable ({exc!r}): {_FALLBACK}") from None
+    state = OuterState(anchor=anchor, momentum=momentum, round=rounds)
     if meta.get("checksum") not in (state.checksum(), state.whole_checksum()):  # whole: before protocol 5
         raise CheckpointError(
             f"checkpoint {directory} fails its checksum (the files do not match each other): {_FALLBACK}"

@@ -99,6 +99,10 @@ def test_checkpoint_round_trip_keep_and_corruption(tmp_path):
         load_outer_state(latest)
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         load_outer_state(tmp_path / "nothing")
+    for meta in ("[1, 2]", '"text"', '{"num_tensors": 1}', '{"num_tensors": "x"}'):  # valid JSON, not a meta
+        (latest / "outer_state.json").write_text(meta)
+        with pytest.raises(CheckpointError, match="unreadable"):
+            load_outer_state(latest)
     (latest / "outer_state.safetensors").write_bytes(b"junk")
     with pytest.raises(CheckpointError, match="unreadable"):
         load_outer_state(latest)
