@@ -172,24 +172,29 @@ def test_a_donor_serving_wrong_bytes_for_one_part_is_dropped_and_the_part_comes_
 
 def test_a_donor_that_dies_mid_download_leaves_its_pieces_to_the_others(swarm, caplog):
     caplog.set_level(logging.WARNING, logger="p2p_diloco.sync")
-    dying = Donor(swarm["donors"][0].maddrs(), swarm["state"])
-    swarm["peers"].append(dying)  # shut down with the others at the end of the module
-    served: list[int] = []
+    for _ in range(3):  # under load its manifest can come too late: then it is never asked for a piece; again
+        dying = Donor(swarm["donors"][0].maddrs(), swarm["state"])
+        swarm["peers"].append(dying)  # shut down with the others at the end of the module
+        served: list[int] = []
 
-    def die(k: int) -> None:
-        served.append(k)
-        if len(served) == 2:  # the first piece it serves (the first call may be its manifest): SIGKILL its averager
-            os.kill(dying.averager.pid, signal.SIGKILL)  # process while the piece is on its way
-            time.sleep(0.5)
+        def die(k: int, dying: Donor = dying, served: list[int] = served) -> None:
+            served.append(k)
+            if len(served) == 2:  # the first piece it serves (the first call may be its manifest): SIGKILL its
+                os.kill(dying.averager.pid, signal.SIGKILL)  # averager process while the piece is on its way
+                time.sleep(0.5)
 
-    swarm["newcomer"].averager.manifest(dying.peer_id, 10.0)  # the newcomer's p2pd learns its address
-    dying.calls, served[:] = 0, []
-    dying.on_call = die
-    started = time.monotonic()
-    asked = _download(swarm, [dying, *swarm["donors"][:2]], timeout=40.0)
-    assert time.monotonic() - started < 30.0
-    theirs = [(s, e) for d, s, e, ok in asked.pieces if d == dying.peer_id]
-    assert theirs and not any(ok for d, *_, ok in asked.pieces if d == dying.peer_id and len(served) >= 2)
+        swarm["newcomer"].averager.manifest(dying.peer_id, 10.0)  # the newcomer's p2pd learns its address
+        dying.calls = 0
+        dying.on_call = die
+        started = time.monotonic()
+        asked = _download(swarm, [dying, *swarm["donors"][:2]], timeout=40.0)
+        assert time.monotonic() - started < 30.0
+        theirs = [(s, e) for d, s, e, ok in asked.pieces if d == dying.peer_id]
+        if theirs:
+            break
+    else:
+        pytest.fail("the dying donor was never asked for a piece in 3 downloads")
+    assert not any(ok for d, *_, ok in asked.pieces if d == dying.peer_id and len(served) >= 2)
     for s, e in theirs:  # every piece it was asked for came from another donor
         assert any(d != dying.peer_id and (s2, e2) == (s, e) and ok for d, s2, e2, ok in asked.pieces)
     lines = [r.getMessage() for r in caplog.records]

@@ -50,8 +50,8 @@ def test_a_second_signal_interrupts_and_the_first_does_not():
         request = StopRequest(second_interrupts=True, report_hang_after=None)
         print("ready", flush=True)
         request.event.wait()
-        print("stopping", flush=True)
         try:
+            print("stopping", flush=True)  # the second signal may come as soon as this is out
             time.sleep(30)  # a slow cleanup
         except KeyboardInterrupt:
             print("interrupted", flush=True)
