@@ -44,9 +44,9 @@ from hivemind.dht import DHT
 
 from p2p_diloco.config import Config
 from p2p_diloco.data import DataPipeline, Tokenizer
-from p2p_diloco.export import run_architecture
 from p2p_diloco.fingerprint import fingerprint_differences, swarm_fingerprint
 from p2p_diloco.generate import check_generation_args, generate
+from p2p_diloco.model import build_model
 from p2p_diloco.monitor import DEFAULT_EVERY, DEFAULT_PROMPT, DEFAULT_TOKENS
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError
@@ -147,7 +147,8 @@ class StateSampler:
                 "listed key"
             )
         data = DataPipeline(cfg.data, cfg.seed)
-        model = run_architecture(cfg, data.vocab_size).eval()
+        # the peers' own build: with model.pretrained its weights are in the fingerprint (model.weights_digest)
+        model = build_model(dataclasses.replace(cfg.model, device="cpu"), data.vocab_size, cfg.seed).eval()
         fingerprint, summary = swarm_fingerprint(cfg, model, data)
         tokenizer = data.tokenizer
         del data  # the documents were needed for the corpus digest only

@@ -219,3 +219,28 @@ def test_run_monitor_refuses_samples_in_a_closed_run(tmp_path, capsys):
     flags = ["--samples", "--config", str(TINY), "--authorized-keys", str(keys)]
     assert main(["--out", str(tmp_path / "m"), *flags]) == 2
     assert "does not work in a closed run" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_sampler_for_a_warm_started_run_has_the_peers_fingerprint(tmp_path):
+    """model.pretrained puts the weights in the fingerprint (model.weights_digest): the sampler builds the run's
+    model as a peer does, from those weights, not from the config alone."""
+    from hivemind import DHT
+
+    from p2p_diloco.data import DataPipeline
+    from p2p_diloco.fingerprint import swarm_fingerprint
+
+    base = build_model(load_config(TINY).model, ByteTokenizer.vocab_size, seed=3)  # not the seed's init
+    base.save_pretrained(tmp_path / "warm")
+    cfg = load_config(TINY, [f"model.pretrained={tmp_path / 'warm'}"])
+    peer_model = build_model(cfg.model, ByteTokenizer.vocab_size, cfg.seed)
+    expected = swarm_fingerprint(cfg, peer_model, DataPipeline(cfg.data, cfg.seed))
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        sampler = StateSampler.build(dht, cfg)
+        try:
+            assert (sampler.fingerprint, sampler.summary) == expected
+        finally:
+            sampler.averager.shutdown()
+    finally:
+        dht.shutdown()
