@@ -16,6 +16,7 @@ Failure: each file is written to a temporary name and renamed, and the directory
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -38,6 +39,8 @@ __all__ = [
 
 TENSORS, META, WORKER = "outer_state.safetensors", "outer_state.json", "worker_state.pt"
 _FALLBACK = "delete that directory to resume from the round before it"
+
+log = logging.getLogger("p2p_diloco.checkpoint")
 
 
 class CheckpointError(RuntimeError):
@@ -129,9 +132,11 @@ def save_round(
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete ROOT/round_NNNNNN, or None."""
+    """The newest complete ROOT/round_NNNNNN, or None. A newer round directory without its META (not written by
+    save_round, which renames a finished .tmp into place, so damaged or left by hand) is skipped with a warning."""
     root = Path(root)
-    rounds = sorted(
-        p for p in root.glob("round_*") if p.is_dir() and (p / META).is_file() and not p.name.endswith((".tmp", ".old"))
-    )
+    named = sorted(p for p in root.glob("round_*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
+    rounds = [p for p in named if (p / META).is_file()]
+    for skipped in named[named.index(rounds[-1]) + 1 :] if rounds else named:
+        log.warning("skipping %s: it has no %s (incomplete or damaged)", skipped, META)
     return rounds[-1] if rounds else None

@@ -1,5 +1,7 @@
 """Outer step, pseudo-gradient, checksum and checkpoint: invariant 3 and the failure paths."""
 
+import logging
+
 import pytest
 import torch
 
@@ -79,7 +81,7 @@ def test_weighted_mean_and_outer_lr_warmup():
     assert outer_lr_at(10, 0.7, 0) == 0.7
 
 
-def test_checkpoint_round_trip_keep_and_corruption(tmp_path):
+def test_checkpoint_round_trip_keep_and_corruption(tmp_path, caplog):
     state = _random_state()
     for _ in range(4):
         state.apply([torch.ones_like(a) for a in state.anchor], lr=0.1, momentum=0.9)
@@ -92,6 +94,13 @@ def test_checkpoint_round_trip_keep_and_corruption(tmp_path):
     # a crashed save leaves only a .tmp directory behind: the last good checkpoint still loads
     (tmp_path / "round_000005.tmp").mkdir()
     assert latest_checkpoint(tmp_path).name == "round_000004"
+    (tmp_path / "round_000006").mkdir()  # a newer round without its meta: skipped, and said so
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.checkpoint"):
+        assert latest_checkpoint(tmp_path).name == "round_000004"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipping {tmp_path / 'round_000006'}: it has no outer_state.json (incomplete or damaged)"
+    ]
+    (tmp_path / "round_000006").rmdir()
     (latest / "outer_state.json").write_text(
         (latest / "outer_state.json").read_text().replace('"round": 4', '"round": 3')
     )
