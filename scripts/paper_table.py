@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="run directory (default runs/paper_table/PRESET)")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "paper_table.md")
     p.add_argument("--jobs", type=int, default=2, help="simulations at a time (each one torch thread)")
+    p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                   help="run only the runs whose name contains one of these (e.g. DiLoCo_H50 data-parallel); the "
+                   "table shows the cached others")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="4 steps of the main group: checks the script, not DiLoCo")
     args = p.parse_args(argv)
     if args.jobs < 1:
@@ -292,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or ROOT / "runs" / "paper_table" / name
     runs = plan(preset, groups)
+    chosen = [r for r in runs if args.only is None or any(text in r.name for text in args.only)]
+    if not chosen:
+        print(f"paper_table: --only {' '.join(args.only)} matches none of {', '.join(r.name for r in runs)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.only is not None:  # the table: the chosen runs and whatever else is cached
+        runs = [r for r in runs if r in chosen or (out / r.name / "results.json").is_file()]
     results = execute(runs, preset, out, args.jobs)
     (out / "table.json").write_text(json.dumps({r.name: {"run": dataclasses.asdict(r), **results[r.name]}
                                                 for r in runs}, indent=2))  # fmt: skip

@@ -49,7 +49,8 @@ def test_smoke_table_runs_caches_and_keeps_other_sections(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("flags", "says"), [(["--jobs", "0"], "--jobs 0 must be >= 1"),
-                                              (["--groups", "nope"], "'nope' is not a group")])  # fmt: skip
+                                              (["--groups", "nope"], "'nope' is not a group"),
+                                              (["--only", "nope"], "--only nope matches none of")])  # fmt: skip
 def test_bad_flags_are_refused_with_a_message(tmp_path, flags, says):
     proc = table("--out", str(tmp_path), "--doc", str(tmp_path / "d.md"), *flags, timeout=60)
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
