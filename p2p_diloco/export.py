@@ -5,8 +5,7 @@ Inputs:  a path to one checkpoint (DIR/outer_state.safetensors + DIR/outer_state
          (its final_state/). The architecture and the tokenizer come from the config the checkpoint carries (a
          peer's outer_state.json holds it; else run_metadata.json beside the checkpoint or one level up).
 Output:  ``load_anchor_model(path)`` -> AnchorModel: the run's model (fp32, CPU, eval mode) holding the anchor, the
-         run's tokenizer (data.py), the config (its seed, model and data sections), round and checksum;
-         ``run_architecture(cfg, vocab_size)``: that model before the anchor is copied into it.
+         run's tokenizer (data.py), the config (its seed, model and data sections), round and checksum.
          ``export_checkpoint(path, out)`` writes ``out`` (and returns that AnchorModel), a directory that
          ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load offline: config.json,
          generation_config.json, model.safetensors, the tokenizer (the run's transformers one, saved again; for
@@ -47,7 +46,6 @@ __all__ = [
     "export_checkpoint",
     "load_anchor_model",
     "resolve_checkpoint",
-    "run_architecture",
     "transformers_byte_tokenizer",
 ]
 
@@ -120,9 +118,8 @@ def _run_config(ckpt: Path, meta: dict[str, Any]) -> Config:
         raise CheckpointError(f"the config in {source} does not load with this version of p2p_diloco: {exc}") from None
 
 
-def run_architecture(cfg: Config, vocab_size: int) -> PreTrainedModel:
-    """The model the run trained, on the CPU (fp32); its initial weights are overwritten by the anchor (here, and in
-    the monitor's samples: monitor_samples.py)."""
+def _architecture(cfg: Config, vocab_size: int) -> PreTrainedModel:
+    """The model the run trained, on the CPU (fp32); its initial weights are overwritten by the anchor."""
     if cfg.model.pretrained:  # only its config is needed: the weights come from the checkpoint
         try:
             config = AutoConfig.from_pretrained(cfg.model.pretrained)
@@ -171,7 +168,7 @@ def load_anchor_model(path: str | Path) -> AnchorModel:
         raise CheckpointError(f"{exc}; or give one of the other checkpoints beside it: {', '.join(others)}") from None
     cfg = _run_config(ckpt, meta)
     tokenizer = build_tokenizer(cfg.data)
-    model = run_architecture(cfg, tokenizer.vocab_size)
+    model = _architecture(cfg, tokenizer.vocab_size)
     _check_fits(ckpt, state.anchor, model, cfg, tokenizer.vocab_size)
     state.copy_to(model.parameters())
     model.config.eos_token_id = tokenizer.eos_id  # documents were separated by it; llama_config guesses vocab - 1

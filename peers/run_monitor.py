@@ -139,9 +139,8 @@ def run_config(args: argparse.Namespace) -> Config | None:
     return load_config(args.config, [*args.overrides, *run_id])
 
 
-def run_settings(args: argparse.Namespace) -> tuple[str, frozenset[str] | None]:
-    """(run id, authorized peer ids or None) from the flags and --config. Raises ConfigError / IdentityError."""
-    cfg = run_config(args)
+def run_settings(args: argparse.Namespace, cfg: Config | None) -> tuple[str, frozenset[str] | None]:
+    """(run id, authorized peer ids or None) from the flags and ``cfg`` (run_config's). Raises IdentityError."""
     swarm = cfg.swarm if cfg is not None else SwarmConfig()
     run_id = args.run_id if args.run_id is not None else swarm.run_id
     keys = args.authorized_keys if args.authorized_keys is not None else swarm.authorized_keys
@@ -190,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad is not None:
         return _fail(bad, 2)
     try:
-        run_id, authorized = run_settings(args)
         cfg = run_config(args)
+        run_id, authorized = run_settings(args, cfg)
     except (ConfigError, IdentityError) as exc:
         return _fail(str(exc), 2)
     if args.samples and authorized is not None:

@@ -174,16 +174,20 @@ def execute(runs: list[Run], preset: Preset, out: Path, jobs: int) -> dict[str, 
     return results
 
 
+def _paper_ratio(perplexity: float) -> float:
+    """A perplexity of the DiLoCo paper as a loss ratio to its data-parallel run's (ln / ln)."""
+    return math.log(perplexity) / math.log(PAPER["diloco_150m"]["dp"])
+
+
 def _paper_rows() -> list[str]:
     d, s = PAPER["diloco_150m"], PAPER["scaling_35m"]
-    lr = lambda ppl: math.log(ppl) / math.log(d["dp"])  # noqa: E731 - a loss ratio from perplexities
     rows = [
         "| paper | setting | single worker | DiLoCo |",
         "|---|---|---|---|",
         f"| DiLoCo (2311.08105) | 150M, 8 workers, H 500, warm start (perplexity {d['dp']} data-parallel) | "
-        f"{lr(d['single']):.4f} | {lr(d['diloco']):.4f} |",
+        f"{_paper_ratio(d['single']):.4f} | {_paper_ratio(d['diloco']):.4f} |",
         "| DiLoCo (2311.08105) | 150M, H 500, workers 4 / 8 / 16 | | "
-        + " / ".join(f"{lr(v):.4f}" for v in d["workers"].values())
+        + " / ".join(f"{_paper_ratio(v):.4f}" for v in d["workers"].values())
         + " |",
         f"| Scaling laws (2503.09799) | 35M from scratch, M = 1 / 2 / 4 / 8 (loss {s['dp']} data-parallel) | | "
         + " / ".join(f"{v / s['dp']:.4f}" for v in s["diloco"].values())
@@ -207,7 +211,6 @@ def _ratio(runs: list[Run], results: dict[str, dict[str, Any]], pick) -> str:
 def side_by_side(runs: list[Run], results: dict[str, dict[str, Any]]) -> list[str]:
     """The papers' ratios to data-parallel and ours for the same comparison, one row each."""
     d, s = PAPER["diloco_150m"], PAPER["scaling_35m"]
-    ln = lambda ppl: math.log(ppl) / math.log(d["dp"])  # noqa: E731 - a loss ratio from perplexities
     diloco = lambda group, k=4: lambda r: r.mode == "diloco" and r.group == group and r.workers == k  # noqa: E731
     by_label = [r for r in runs if r.group == "noniid" and r.mode == "diloco" and "by-label" in r.label]
     same_h = [r for r in runs if r.group == "main" and r.mode == "diloco" and by_label and r.h == by_label[0].h]
@@ -217,18 +220,19 @@ def side_by_side(runs: list[Run], results: dict[str, dict[str, Any]]) -> list[st
     return [
         "| comparison (÷ data-parallel unless said) | DiLoCo paper, 150M | scaling laws, 35M | this build |",
         "|---|---|---|---|",
-        f"| single worker, K x the steps | {ln(d['single']):.4f} | | "
+        f"| single worker, K x the steps | {_paper_ratio(d['single']):.4f} | | "
         f"{_ratio(runs, results, lambda r: r.mode == 'single' and r.group == 'main')} |",
         f"| DiLoCo, 4 workers, from scratch (best H) | | {s['diloco'][4] / s['dp']:.4f} | "
         f"{_ratio(runs, results, diloco('main'))} |",
-        f"| DiLoCo, 4 workers, after a warm start (best H) | {ln(d['workers'][4]):.4f} (H 500) | | "
+        f"| DiLoCo, 4 workers, after a warm start (best H) | {_paper_ratio(d['workers'][4]):.4f} (H 500) | | "
         f"{_ratio(runs, results, diloco('warm'))} |",
         f"| DiLoCo, 2 workers | | {s['diloco'][2] / s['dp']:.4f} | {_ratio(runs, results, diloco('workers', 2))} |",
-        f"| DiLoCo, 8 workers | {ln(d['workers'][8]):.4f} (warm start) | {s['diloco'][8] / s['dp']:.4f} | "
+        f"| DiLoCo, 8 workers | {_paper_ratio(d['workers'][8]):.4f} (warm start) | {s['diloco'][8] / s['dp']:.4f} | "
         f"{_ratio(runs, results, diloco('workers', 8))} |",
         f'| FedAvg, 4 workers, from scratch | ("performed poorly") | | '
         f"{_ratio(runs, results, lambda r: r.mode == 'fedavg' and r.group == 'main')} |",
-        f"| DiLoCo non-IID ÷ DiLoCo IID, same H | {ln(d['diloco']) / ln(d['iid']):.4f} | | {non_iid} (by-label) |",
+        f"| DiLoCo non-IID ÷ DiLoCo IID, same H | {math.log(d['diloco']) / math.log(d['iid']):.4f} | | "
+        f"{non_iid} (by-label) |",
         "",
     ]
 

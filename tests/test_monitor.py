@@ -205,7 +205,7 @@ def test_reject_counter_validates_like_the_validators_and_reports_refusals():
 
 @pytest.mark.timeout(30)
 def test_run_monitor_refuses_a_bad_authorized_keys_file_or_config(tmp_path, capsys):
-    from peers.run_monitor import main, parse_args, run_settings
+    from peers.run_monitor import main, parse_args, run_config, run_settings
 
     bad = tmp_path / "keys.txt"
     bad.write_text("not a key\n")
@@ -219,9 +219,10 @@ def test_run_monitor_refuses_a_bad_authorized_keys_file_or_config(tmp_path, caps
     args = parse_args(
         ["--out", str(tmp_path), "--config", str(ROOT / "configs" / "tiny.yaml"), "--authorized-keys", str(good)]
     )
-    run_id, authorized = run_settings(args)
+    run_id, authorized = run_settings(args, run_config(args))
     assert authorized == frozenset({peer}) and run_id  # the run id from the config
-    assert run_settings(parse_args(["--out", str(tmp_path), "--run-id", "x"])) == ("x", None)
+    bare = parse_args(["--out", str(tmp_path), "--run-id", "x"])
+    assert run_settings(bare, run_config(bare)) == ("x", None)
 
 
 def _fake_summary():
