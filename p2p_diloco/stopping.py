@@ -57,7 +57,6 @@ class StopRequest:
     ) -> None:
         self.event = threading.Event()
         self.interrupt = False  # read by the handler: True raises KeyboardInterrupt in the main thread
-        self.signal_name: str | None = None
         self._handled = 0
         self._on_stop, self._report_after, self._second_interrupts = on_stop, report_hang_after, second_interrupts
         self._reader, self._writer = socket.socketpair()
@@ -84,9 +83,8 @@ class StopRequest:
                 if number not in STOP_SIGNALS:
                     continue
                 if not self.event.is_set():
-                    self.signal_name = signal.Signals(number).name
                     if self._on_stop is not None:
-                        self._on_stop(self.signal_name)
+                        self._on_stop(signal.Signals(number).name)
                     self.event.set()
                     if self._report_after is not None:
                         faulthandler.dump_traceback_later(self._report_after, exit=False, file=sys.stderr)
