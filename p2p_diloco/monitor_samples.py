@@ -48,6 +48,7 @@ from p2p_diloco.fingerprint import fingerprint_differences, swarm_fingerprint
 from p2p_diloco.generate import check_generation_args, generate
 from p2p_diloco.model import build_model
 from p2p_diloco.monitor import DEFAULT_EVERY, DEFAULT_PROMPT, DEFAULT_TOKENS
+from p2p_diloco.outer import is_finite
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError
 from p2p_diloco.swarm.join import Announcements
@@ -214,7 +215,7 @@ class StateSampler:
             )
         state, tag = offer.state, offer.tag
         downloaded = time.monotonic() - began
-        if not all(torch.isfinite(a).all() for a in state.anchor):
+        if not all(is_finite(a) for a in state.anchor):
             return None, f"the vouched state {tag} holds NaN or inf: nothing to sample"
         state.copy_to(self.model.parameters())
         del state, offer  # the model holds the anchor now: drop the downloaded state
