@@ -108,7 +108,11 @@ class TreeSampler:
                 mem = proc_memory(pid)
                 if mem is None:
                     continue
-                entry = self.procs.setdefault(pid, {"pid": pid, "parent": parent, "name": name})
+                entry = self.procs.get(pid)
+                if entry is None or entry["name"] != name:
+                    # A new process, or one that exec'd since the last sample (hivemind forks p2pd from python,
+                    # then execs it): exec starts a new address space, so the pre-exec maxima are dropped.
+                    entry = self.procs[pid] = {"pid": pid, "parent": parent, "name": name}
                 entry["VmHWM"] = max(entry.get("VmHWM", 0), mem.get("VmHWM", 0))
                 entry["peak_Pss"] = max(entry.get("peak_Pss", 0), mem.get("Pss", 0))
                 entry["peak_VmRSS"] = max(entry.get("peak_VmRSS", 0), mem.get("VmRSS", 0))
