@@ -109,11 +109,15 @@ class TrainConfig:
     # Ordinary training before DiLoCo, as the paper warm-starts from 24k ordinary steps (run_simulation only; a swarm
     # warm-starts from a model: model.pretrained, e.g. run_export of such a simulation, README "Warm start").
     # single: warm_start_steps steps of one model from the seed's init, its batches in turn from the workers' shards;
-    # sync: warm_start_steps steps each averaging one batch's gradient per shard (data-parallel). Its own inner lr
-    # schedule (inner.warmup_steps, then cosine over warm_start_steps); every worker then starts round 1 from its
-    # weights with fresh inner optimizer moments and zero outer momentum.
+    # sync: warm_start_steps steps each averaging one batch's gradient per shard (data-parallel). Every worker then
+    # starts round 1 from its weights with zero outer momentum. warm_start_schedule restart: the warm start has an
+    # inner lr schedule of its own (inner.warmup_steps, then cosine over warm_start_steps) and every worker starts with
+    # fresh inner moments; continue: one schedule over warm_start_steps + the rounds' steps, and every worker starts
+    # with a copy of the warm start's optimizer moments, as one run that turns into DiLoCo at step warm_start_steps
+    # (the paper's comparison, whose baseline is one data-parallel run of the same total steps).
     warm_start: str = "none"  # none | single | sync
     warm_start_steps: int = 0
+    warm_start_schedule: str = "restart"  # restart | continue
 
 
 @dataclass
@@ -207,6 +211,7 @@ _RENAMED = {"train.outer_steps": "train.rounds"}  # old name -> new name, for a 
 _CHOICES = {
     "model.autocast": ("auto", "bf16", "none"),
     "train.warm_start": ("none", "single", "sync"),
+    "train.warm_start_schedule": ("restart", "continue"),
     "data.source": ("offline", "files", "hub"),
     "data.partition": ("iid", "dirichlet", "by-label"),
     "inner.optimizer": ("adamw", "sgd"),
@@ -272,6 +277,8 @@ def _check_ranges(cfg: Config) -> None:
     if t.warm_start == "none":
         need(t.warm_start_steps == 0, "train.warm_start_steps", t.warm_start_steps, "0 with train.warm_start=none "
              "(set train.warm_start=single or sync to warm-start)")  # fmt: skip
+        need(t.warm_start_schedule == "restart", "train.warm_start_schedule", t.warm_start_schedule, "restart with "
+             "train.warm_start=none (set train.warm_start=single or sync to warm-start)")  # fmt: skip
     else:
         need(t.warm_start_steps >= 1, "train.warm_start_steps", t.warm_start_steps, f">= 1 with train.warm_start="
              f"{t.warm_start}")  # fmt: skip

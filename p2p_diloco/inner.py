@@ -20,6 +20,7 @@ that would end past it (the last step's duration is the estimate); at least one 
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -90,6 +91,7 @@ class InnerOptimizer:
 
     def __init__(self, model: torch.nn.Module, cfg: InnerConfig, total_steps: int) -> None:
         self.model, self.cfg, self.total_steps = model, cfg, total_steps
+        self.step_offset = 0  # steps that came before this optimizer's step 0 on the same schedule (continue_after)
         params = [p for p in model.parameters() if p.requires_grad]
         if cfg.optimizer == "adamw":
             self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
@@ -128,11 +130,18 @@ class InnerOptimizer:
                     return True
         return False
 
+    def continue_after(self, steps: int, optimizer_state: dict) -> None:
+        """Go on from ``steps`` earlier steps of another optimizer of the same model shape: its moments (a copy, from
+        its ``state_dict()``) and its place in one schedule that now spans those steps and this one's."""
+        self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # load_state_dict would share its tensors
+        self.step_offset += steps
+        self.total_steps += steps
+
     def apply(self, step: float) -> None:
         """Clip, set the scheduled lr for global step ``step`` and take the optimizer step."""
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        lr = lr_at(step, self.cfg, self.total_steps)
+        lr = lr_at(self.step_offset + step, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

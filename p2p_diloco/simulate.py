@@ -35,8 +35,11 @@ results.json is that clock, for comparisons at equal time; ``contributed_tokens_
 
 Warm start (``train.warm_start`` single or sync, ``train.warm_start_steps`` N): before round 1, N steps of ordinary
 training of one model from the seed's init (single: one batch a step, in turn from the K shards; sync: each step the
-mean gradient of one batch per shard), on an inner lr schedule of its own over N steps; every worker (every mode)
-then starts from its weights with fresh inner moments and zero outer momentum. Its tokens are not in
+mean gradient of one batch per shard); every worker (every mode) then starts from its weights with zero outer
+momentum. ``train.warm_start_schedule`` restart: the warm start has an inner lr schedule of its own over its N steps
+and the workers start with fresh inner moments; continue: the warm start is the first N steps of one schedule over N
++ the rounds' steps, and every worker goes on with a copy of its inner moments (so a sync run warm-started this way is
+the same run as one without it, step for step). Its tokens are not in
 ``tokens_per_worker`` (so runs with the same warm start compare at equal tokens after it); results.json's
 ``warm_start`` has its kind, steps, tokens, eval loss and seconds, and ``eval_loss_per_round["0"]`` is its eval loss.
 
@@ -136,20 +139,38 @@ class _Local:
 
 
 def _warm_start(
-    cfg: Config, vocab_size: int, shards: list[Iterator[torch.Tensor]], eval_sets: dict[str, torch.Tensor]
-) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    cfg: Config,
+    vocab_size: int,
+    shards: list[Iterator[torch.Tensor]],
+    eval_sets: dict[str, torch.Tensor],
+    pool: list[Worker],
+) -> dict[str, Any]:
     """``train.warm_start_steps`` steps of ordinary training (``train.warm_start``: single or sync) from the seed's
-    init, on its own lr schedule over those steps; returns the weights and what to report of it."""
-    kind, steps = cfg.train.warm_start, cfg.train.warm_start_steps
+    init; every worker of ``pool`` then starts from its weights (and, ``warm_start_schedule`` continue, from its
+    moments and place in one lr schedule). Returns what to report of it."""
+    kind, steps, schedule = cfg.train.warm_start, cfg.train.warm_start_steps, cfg.train.warm_start_schedule
     warm_cfg = dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, rounds=1), inner=dataclasses.replace(cfg.inner, round_seconds=0.0)
     )
     local = _Local(warm_cfg, vocab_size, shards, kind, steps=steps)
+    if schedule == "continue":  # the first `steps` of one schedule over them and the run's own
+        local.worker.inner.total_steps = steps + pool[0].inner.total_steps
     stats = local.round()
     after = evaluate(local.worker.model, eval_sets, cfg.data.batch_size, cfg)
     log.info("warm start: %d %s steps, %d tokens, eval loss %.4f", steps, kind, stats.tokens, after["all"])
-    report = {"kind": kind, "steps": steps, "tokens": stats.tokens, "eval_loss": after["all"], "seconds": stats.seconds}
-    return local.worker.state.anchor, report
+    moments = local.worker.inner.optimizer.state_dict()
+    for w in pool:
+        w.load_state(OuterState.from_params(local.worker.state.anchor))  # a copy each; zero outer momentum
+        if schedule == "continue":
+            w.inner.continue_after(steps, moments)
+    return {
+        "kind": kind,
+        "steps": steps,
+        "schedule": schedule,
+        "tokens": stats.tokens,
+        "eval_loss": after["all"],
+        "seconds": stats.seconds,
+    }
 
 
 def simulate(
@@ -215,9 +236,7 @@ def simulate(
     initial = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
     warm: dict[str, Any] | None = None
     if cfg.train.warm_start != "none":
-        weights, warm = _warm_start(cfg, data.vocab_size, shards, eval_sets)
-        for w in pool:
-            w.load_state(OuterState.from_params(weights))  # a copy each; fresh inner moments, zero outer momentum
+        warm = _warm_start(cfg, data.vocab_size, shards, eval_sets, pool)
     eval_per_round: dict[int, float] = {0: warm["eval_loss"] if warm else initial["all"]}
     bytes_sent, tokens_per_worker, clock = 0, 0, 0.0
     contributed, lost = [0] * len(pool), [0] * len(pool)

@@ -14,6 +14,9 @@ per worker (``steps``), so H x rounds is constant and every method sees the same
              method for the rest, so the tokens stay equal
     noniid   DiLoCo H 50 and data-parallel with by-label and Dirichlet (alpha 0.5) shards, eval per label
     workers  DiLoCo H 50 and data-parallel with K in {2, 8}
+    gap      item 5's attempts at closing the gap to main's data-parallel run, at its total steps: DiLoCo at H 5, and at
+             H 5 and 10 after a warm start of ``warm`` data-parallel steps that the run continues (warm_start_schedule
+             continue: the same lr schedule and inner moments, so it is the baseline's own first steps)
 The outer optimizer is the sweep's choice (docs/outer_sweep.md): the config's own (0.7/0.9, a 5-round ramp on tiny)
 up to H 50; from H 100, where 10 rounds or fewer remain, tiny's H 100 winner 1.0/0.5 without a ramp. H values that do
 not divide the steps are left out (small: H 500).
@@ -71,7 +74,7 @@ PRESETS = {
     ),
     "smoke": Preset("configs/tiny.yaml", steps=4, warm=2, sets=("data.eval_batches=1",), hs=(2,)),
 }
-GROUPS = ("main", "warm", "noniid", "workers")
+GROUPS = ("main", "warm", "noniid", "workers", "gap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +88,10 @@ class Run:
 
     @property
     def cohort(self) -> tuple[str, int, str]:
-        """What its data-parallel baseline shares with it: the group, the workers and the shards' partition."""
+        """What its data-parallel baseline shares with it: the group (gap: main's, the plain run of the same total
+        steps), the workers and the shards' partition."""
         partition = next((x.split("=", 1)[1] for x in self.sets if x.startswith("data.partition=")), "iid")
-        return self.group, self.workers, partition
+        return "main" if self.group == "gap" else self.group, self.workers, partition
 
     @property
     def name(self) -> str:
@@ -130,6 +134,15 @@ def plan(preset: Preset, groups: list[str]) -> list[Run]:
             for k in (2, 8):
                 add(group, f"data-parallel K={k}", "sync", k, None, steps)
                 add(group, f"DiLoCo H={mid} K={k}", "diloco", k, mid, steps, *_outer(mid))
+        elif group == "gap":
+            if "main" not in groups:  # the baseline
+                add("main", "data-parallel", "sync", 4, None, preset.steps)
+            cont = ("train.warm_start=sync", f"train.warm_start_steps={preset.warm}",
+                    "train.warm_start_schedule=continue")  # fmt: skip
+            add(group, "DiLoCo H=5", "diloco", 4, 5, preset.steps, *_outer(5))
+            for h in (5, 10):
+                add(group, f"DiLoCo H={h} warm {preset.warm} continued", "diloco", 4, h, preset.steps - preset.warm,
+                    *cont, *_outer(h))  # fmt: skip
         else:
             raise SystemExit(f"--groups: {group!r} is not a group (one of {', '.join(GROUPS)})")
     return runs

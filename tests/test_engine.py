@@ -232,6 +232,26 @@ def test_warm_start_is_ordinary_training_then_every_worker_starts_diloco_from_it
     assert res["final_eval_loss"] < cold["final_eval_loss"]
 
 
+def test_a_continued_warm_start_is_the_same_run_as_none(tmp_path):
+    """warm_start_schedule continue: N sync steps, then the run goes on with their moments and lr schedule, so a
+    data-parallel run warm-started by N data-parallel steps is bitwise the run of N more steps without one; with
+    restart (fresh moments, a schedule of its own) it is not."""
+    sets = ["inner.steps=4", "data.eval_batches=1", "train.eval_every=0"]
+    warm = ["train.warm_start=sync", "train.warm_start_steps=8"]
+    plain = simulate(load_config(TINY, [*sets, "train.rounds=3"]), "sync", 3, tmp_path / "plain")
+    cont = simulate(
+        load_config(TINY, [*sets, "train.rounds=1", *warm, "train.warm_start_schedule=continue"]), "sync", 3,
+        tmp_path / "continue",
+    )  # fmt: skip
+    restart = simulate(load_config(TINY, [*sets, "train.rounds=1", *warm]), "sync", 3, tmp_path / "restart")
+    assert cont["warm_start"]["schedule"] == "continue" and restart["warm_start"]["schedule"] == "restart"
+    runs = ("plain", "continue", "restart")
+    weights = {run: load_outer_state(tmp_path / run / "final_state")[0].anchor for run in runs}
+    assert all(torch.equal(a, b) for a, b in zip(weights["plain"], weights["continue"], strict=True))
+    assert cont["final_eval_loss"] == plain["final_eval_loss"] != restart["final_eval_loss"]
+    assert not all(torch.equal(a, b) for a, b in zip(weights["plain"], weights["restart"], strict=True))
+
+
 def test_warm_start_settings_are_checked_and_a_swarm_peer_refuses_them():
     with pytest.raises(ConfigError, match="train.warm_start_steps=0 is invalid: must be >= 1"):
         load_config(TINY, ["train.warm_start=sync"])
@@ -239,6 +259,10 @@ def test_warm_start_settings_are_checked_and_a_swarm_peer_refuses_them():
         load_config(TINY, ["train.warm_start_steps=5"])
     with pytest.raises(ConfigError, match="train.warm_start='lots' is invalid: must be one of none, single, sync"):
         load_config(TINY, ["train.warm_start=lots", "train.warm_start_steps=5"])
+    with pytest.raises(ConfigError, match="train.warm_start_schedule='continue' is invalid: must be restart with"):
+        load_config(TINY, ["train.warm_start_schedule=continue"])
+    with pytest.raises(ConfigError, match="must be one of restart, continue"):
+        load_config(TINY, ["train.warm_start=sync", "train.warm_start_steps=5", "train.warm_start_schedule=later"])
     from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
 
     cfg = load_config(TINY, ["train.warm_start=single", "train.warm_start_steps=5"])

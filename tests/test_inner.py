@@ -73,3 +73,18 @@ def test_a_round_whose_end_has_all_but_passed_still_takes_one_step():
         worker.batches, 50, 0, worker.autocast, worker.device, deadline=time.time() - 1.0, position=lambda k: 0.0
     )
     assert stats.steps == 1
+
+
+def test_continue_after_takes_a_copy_of_the_moments_and_a_later_place_in_one_schedule():
+    cfg = load_config(TINY, ["inner.steps=2", "train.rounds=3"])
+    first, a, b = (Worker(cfg, 257, _batches(seed)) for seed in (0, 1, 2))
+    first.train_inner()
+    saved = first.inner.optimizer.state_dict()
+    for w in (a, b):
+        w.inner.continue_after(2, saved)
+        assert (w.inner.step_offset, w.inner.total_steps) == (2, 8)
+    moments = [w.inner.optimizer.state[w.inner.optimizer.param_groups[0]["params"][0]]["exp_avg"] for w in (a, b)]
+    assert torch.equal(moments[0], moments[1]) and moments[0].data_ptr() != moments[1].data_ptr()
+    a.train_inner()  # a's steps must not move b's moments: each worker has its own copy
+    assert not torch.equal(moments[0], moments[1])
+    assert a.inner.optimizer.param_groups[0]["lr"] == lr_at(2 + 1, cfg.inner, 8)  # its last step was step 3 of 8

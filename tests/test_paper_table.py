@@ -55,3 +55,29 @@ def test_bad_flags_are_refused_with_a_message(tmp_path, flags, says):
     proc = table("--out", str(tmp_path), "--doc", str(tmp_path / "d.md"), *flags, timeout=60)
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "d.md").exists()
+
+
+def _plan(preset: str, groups: list[str]) -> list:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import paper_table
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return paper_table.plan(paper_table.PRESETS[preset], groups)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_every_planned_run_takes_the_presets_steps_and_has_a_baseline(preset):
+    """Equal tokens: H x rounds (+ a warm start's steps) is the preset's steps for every run of every group; the gap
+    group's runs are measured against main's data-parallel run, which is planned with them."""
+    runs = _plan(preset, ["main", "warm", "noniid", "workers", "gap"])
+    steps = {"tiny": 1000, "small": 400}[preset]
+    for r in runs:
+        sets = dict(x.split("=", 1) for x in r.sets)
+        # per worker (single: its one model takes K x these steps, so it sees the K workers' tokens)
+        h, rounds, warm = (int(sets.get(k, 0)) for k in ("inner.steps", "train.rounds", "train.warm_start_steps"))
+        assert h * rounds + warm == steps, r.name
+        assert any(b.mode == "sync" and b.cohort == r.cohort for b in runs), r.name
+    gap = _plan(preset, ["gap"])
+    assert [r.name for r in gap if r.group != "gap"] == ["main-data-parallel"]
+    assert {r.cohort for r in gap} == {("main", 4, "iid")}
