@@ -336,6 +336,7 @@ def _check_ranges(cfg: Config) -> None:
         s.rollback_after,
         f"in [1, swarm.max_failed_rounds ({s.max_failed_rounds})]",
     )
+    need(cfg.logging.log_every >= 0, "logging.log_every", cfg.logging.log_every, ">= 0 (0: a line per round only)")
     project = cfg.logging.wandb_project
     if project is not None:
         need(

@@ -56,6 +56,7 @@ def test_overrides_apply_in_order_and_parse_yaml_values():
         ("swarm.run_id=a.b", "swarm.run_id", "'.'"),
         ("swarm.request_timeout=100", "swarm.request_timeout", "matchmaking_time"),
         ("logging.progress_bar=maybe", "logging.progress_bar", "expected bool"),
+        ("logging.log_every=-5", "logging.log_every", ">= 0 (0: a line per round only)"),
         ("logging.tensorboard=yes please", "logging.tensorboard", "expected bool"),
         ("logging.wandb_mode=cloud", "logging.wandb_mode", "offline, online"),
         ("logging.wandb_project=team/proj", "logging.wandb_project", "WANDB_ENTITY"),
