@@ -14,9 +14,10 @@ per worker (``steps``), so H x rounds is constant and every method sees the same
              method for the rest, so the tokens stay equal
     noniid   DiLoCo H 50 and data-parallel with by-label and Dirichlet (alpha 0.5) shards, eval per label
     workers  DiLoCo H 50 and data-parallel with K in {2, 8}
-    gap      item 5's attempts at closing the gap to main's data-parallel run, at its total steps: DiLoCo at H 5, and at
-             H 5 and 10 after a warm start of ``warm`` data-parallel steps that the run continues (warm_start_schedule
-             continue: the same lr schedule and inner moments, so it is the baseline's own first steps)
+    gap      item 5's attempts at closing the gap to main's data-parallel run, at its total steps: DiLoCo at H 5 (and
+             both again with seed 1: another init and data order), and at H 5 and 10 after a warm start of ``warm``
+             data-parallel steps that the run continues (warm_start_schedule continue: the same lr schedule and inner
+             moments, so it is the baseline's own first steps)
 The outer optimizer is the sweep's choice (docs/outer_sweep.md): the config's own (0.7/0.9, a 5-round ramp on tiny)
 up to H 50; from H 100, where 10 rounds or fewer remain, tiny's H 100 winner 1.0/0.5 without a ramp. H values that do
 not divide the steps are left out (small: H 500).
@@ -87,11 +88,12 @@ class Run:
     sets: tuple[str, ...]
 
     @property
-    def cohort(self) -> tuple[str, int, str]:
+    def cohort(self) -> tuple[str, int, str, str]:
         """What its data-parallel baseline shares with it: the group (gap: main's, the plain run of the same total
-        steps), the workers and the shards' partition."""
-        partition = next((x.split("=", 1)[1] for x in self.sets if x.startswith("data.partition=")), "iid")
-        return "main" if self.group == "gap" else self.group, self.workers, partition
+        steps), the workers, the shards' partition and the seed."""
+        sets = dict(x.split("=", 1) for x in self.sets)
+        group = "main" if self.group == "gap" else self.group
+        return group, self.workers, sets.get("data.partition", "iid"), sets.get("seed", "0")
 
     @property
     def name(self) -> str:
@@ -140,6 +142,8 @@ def plan(preset: Preset, groups: list[str]) -> list[Run]:
             cont = ("train.warm_start=sync", f"train.warm_start_steps={preset.warm}",
                     "train.warm_start_schedule=continue")  # fmt: skip
             add(group, "DiLoCo H=5", "diloco", 4, 5, preset.steps, *_outer(5))
+            add(group, "data-parallel seed 1", "sync", 4, None, preset.steps, "seed=1")  # another init and data order
+            add(group, "DiLoCo H=5 seed 1", "diloco", 4, 5, preset.steps, "seed=1", *_outer(5))
             for h in (5, 10):
                 add(group, f"DiLoCo H={h} warm {preset.warm} continued", "diloco", 4, h, preset.steps - preset.warm,
                     *cont, *_outer(h))  # fmt: skip

@@ -80,4 +80,6 @@ def test_every_planned_run_takes_the_presets_steps_and_has_a_baseline(preset):
         assert any(b.mode == "sync" and b.cohort == r.cohort for b in runs), r.name
     gap = _plan(preset, ["gap"])
     assert [r.name for r in gap if r.group != "gap"] == ["main-data-parallel"]
-    assert {r.cohort for r in gap} == {("main", 4, "iid")}
+    assert {r.cohort for r in gap} == {("main", 4, "iid", "0"), ("main", 4, "iid", "1")}
+    seeded = [r for r in gap if r.cohort[3] == "1"]
+    assert {r.mode for r in seeded} == {"sync", "diloco"}  # a seed-1 run has a seed-1 baseline
