@@ -243,6 +243,8 @@ def side_by_side(runs: list[Run], results: dict[str, dict[str, Any]]) -> list[st
         f"{_ratio(runs, results, diloco('main'))} |",
         f"| DiLoCo, 4 workers, after a warm start (best H) | {_paper_ratio(d['workers'][4]):.4f} (H 500) | | "
         f"{_ratio(runs, results, diloco('warm'))} |",
+        f"| DiLoCo, 4 workers, the gap group (best of H 5, continued warm starts) | | | "
+        f"{_ratio(runs, results, diloco('gap'))} |",
         f"| DiLoCo, 2 workers | | {s['diloco'][2] / s['dp']:.4f} | {_ratio(runs, results, diloco('workers', 2))} |",
         f"| DiLoCo, 8 workers | {_paper_ratio(d['workers'][8]):.4f} (warm start) | {s['diloco'][8] / s['dp']:.4f} | "
         f"{_ratio(runs, results, diloco('workers', 8))} |",
@@ -301,7 +303,7 @@ def _plots(preset_name: str, runs: list[Run], results: dict[str, dict[str, Any]]
 
     where = doc.parent / doc.stem
     where.mkdir(parents=True, exist_ok=True)
-    shown = [r for r in runs if r.group in ("main", "warm") and "error" not in results[r.name]]
+    shown = [r for r in runs if r.group in ("main", "warm", "gap") and "error" not in results[r.name]]
     names = []
     for axis, xlabel, log_x in (("tokens", "tokens per worker", False), ("bytes", "MB sent per worker", True)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -309,7 +311,7 @@ def _plots(preset_name: str, runs: list[Run], results: dict[str, dict[str, Any]]
             tokens, mb, loss = _curve(results[r.name], r)
             xs = tokens if axis == "tokens" else mb
             pairs = [(x, y) for x, y in zip(xs, loss, strict=True) if x > 0 or not log_x]
-            style = "--" if r.group == "warm" else "-"
+            style = {"warm": "--", "gap": ":"}.get(r.group, "-")
             ax.plot(
                 [x for x, _ in pairs], [y for _, y in pairs], marker=".", linestyle=style, label=f"{r.group}: {r.label}"
             )
@@ -317,7 +319,7 @@ def _plots(preset_name: str, runs: list[Run], results: dict[str, dict[str, Any]]
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("eval loss")
-        ax.set_title(f"{preset_name}: eval loss vs {xlabel} (dashed: warm start)")
+        ax.set_title(f"{preset_name}: eval loss vs {xlabel} (dashed: warm start; dotted: gap group)")
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
         path = where / f"{preset_name}_loss_vs_{axis}.png"
