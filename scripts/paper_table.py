@@ -14,10 +14,11 @@ per worker (``steps``), so H x rounds is constant and every method sees the same
              method for the rest, so the tokens stay equal
     noniid   DiLoCo H 50 and data-parallel with by-label and Dirichlet (alpha 0.5) shards, eval per label
     workers  DiLoCo H 50 and data-parallel with K in {2, 8}
-    gap      item 5's attempts at closing the gap to main's data-parallel run, at its total steps: DiLoCo at H 5 (and
-             both again with seed 1: another init and data order), and at H 5 and 10 after a warm start of ``warm``
-             data-parallel steps that the run continues (warm_start_schedule continue: the same lr schedule and inner
-             moments, so it is the baseline's own first steps)
+    gap      item 5's attempts at closing the gap to main's data-parallel run, at its total steps, with plain outer SGD
+             at lr 1 (PLAIN_OUTER): DiLoCo at H 5, and at H 5 and 10 after a warm start of ``warm`` data-parallel steps
+             that the run continues (warm_start_schedule continue: the same lr schedule and inner moments: the
+             baseline's own first steps); data-parallel, H 5 and the warm-started H 10 again with seed 1 (another
+             init, data order and eval split)
 The outer optimizer is the sweep's choice (docs/outer_sweep.md): the config's own (0.7/0.9, a 5-round ramp on tiny)
 up to H 50; from H 100, where 10 rounds or fewer remain, tiny's H 100 winner 1.0/0.5 without a ramp. H values that do
 not divide the steps are left out (small: H 500).
@@ -100,6 +101,11 @@ class Run:
         return f"{self.group}-{self.label}".replace(" ", "_").replace("=", "").replace(",", "")
 
 
+# The gap group's outer step: plain SGD at lr 1 (small.yaml's own, the small sweep's winner). Outer momentum at small
+# H is an outer lr of up to lr / (1 - m) every few steps: tiny's 0.7/0.9 at H 5 ended at 1.55 x data-parallel.
+PLAIN_OUTER = ("outer.lr=1.0", "outer.momentum=0.0", "outer.lr_warmup_rounds=0")
+
+
 def _outer(h: int) -> tuple[str, ...]:
     return () if h <= 50 else ("outer.lr=1.0", "outer.momentum=0.5", "outer.lr_warmup_rounds=0")
 
@@ -141,12 +147,13 @@ def plan(preset: Preset, groups: list[str]) -> list[Run]:
                 add("main", "data-parallel", "sync", 4, None, preset.steps)
             cont = ("train.warm_start=sync", f"train.warm_start_steps={preset.warm}",
                     "train.warm_start_schedule=continue")  # fmt: skip
-            add(group, "DiLoCo H=5", "diloco", 4, 5, preset.steps, *_outer(5))
+            add(group, "DiLoCo H=5", "diloco", 4, 5, preset.steps, *PLAIN_OUTER)
             add(group, "data-parallel seed 1", "sync", 4, None, preset.steps, "seed=1")  # another init and data order
-            add(group, "DiLoCo H=5 seed 1", "diloco", 4, 5, preset.steps, "seed=1", *_outer(5))
-            for h in (5, 10):
-                add(group, f"DiLoCo H={h} warm {preset.warm} continued", "diloco", 4, h, preset.steps - preset.warm,
-                    *cont, *_outer(h))  # fmt: skip
+            add(group, "DiLoCo H=5 seed 1", "diloco", 4, 5, preset.steps, "seed=1", *PLAIN_OUTER)
+            for h, seed in ((5, 0), (10, 0), (10, 1)):
+                label = f"DiLoCo H={h} warm {preset.warm} continued" + (f" seed {seed}" if seed else "")
+                seeded = (f"seed={seed}",) if seed else ()
+                add(group, label, "diloco", 4, h, preset.steps - preset.warm, *cont, *PLAIN_OUTER, *seeded)
         else:
             raise SystemExit(f"--groups: {group!r} is not a group (one of {', '.join(GROUPS)})")
     return runs
