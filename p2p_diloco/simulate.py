@@ -41,7 +41,8 @@ and the workers start with fresh inner moments; continue: the warm start is the 
 + the rounds' steps, and every worker goes on with a copy of its inner moments (so a sync run warm-started this way is
 the same run as one without it, step for step). Its tokens are not in
 ``tokens_per_worker`` (so runs with the same warm start compare at equal tokens after it); results.json's
-``warm_start`` has its kind, steps, tokens, eval loss and seconds, and ``eval_loss_per_round["0"]`` is its eval loss.
+``warm_start`` has its kind, steps, tokens, the bytes a worker would send in it (sync: an fp32 gradient all-reduce a
+step; not in ``bytes_sent_per_worker``), eval loss and seconds, and ``eval_loss_per_round["0"]`` is its eval loss.
 
 Threads: ``--threads N`` (or ``train.threads``; 0, the default: auto) sets torch's CPU threads before anything is
 built (p2p_diloco/threads.py): the K workers take turns in this process, so auto gives every one of them all the
@@ -163,11 +164,13 @@ def _warm_start(
         w.load_state(OuterState.from_params(local.worker.state.anchor))  # a copy each; zero outer momentum
         if schedule == "continue":
             w.inner.continue_after(steps, moments)
+    sent = fp32_bytes_sent(pool[0].num_params, len(shards)) * steps if kind == "sync" else 0  # a gradient a step
     return {
         "kind": kind,
         "steps": steps,
         "schedule": schedule,
         "tokens": stats.tokens,
+        "bytes_sent_per_worker": sent,
         "eval_loss": after["all"],
         "seconds": stats.seconds,
     }

@@ -280,9 +280,10 @@ def render(preset_name: str, runs: list[Run], results: dict[str, dict[str, Any]]
             labels = res.get("final_eval_loss_per_label") or {}
             worst = f"{max(labels.values()):.4f}" if labels else "-"
             warm = (res.get("warm_start") or {}).get("tokens", 0) // r.workers
+            sent = res["bytes_sent_per_worker"] + _warm_bytes(res, r)
             lines.append(
                 f"| {r.label} | {r.workers} | {r.h or '-'} | {res['final_eval_loss']:.4f} | {ratio} | {worst} | "
-                f"{res['bytes_sent_per_worker'] / 1e6:.1f} | {res['tokens_per_worker'] + warm} | "
+                f"{sent / 1e6:.1f} | {res['tokens_per_worker'] + warm} | "
                 f"{res['wall_seconds']:.0f} |"
             )
         lines.append("")
@@ -291,15 +292,27 @@ def render(preset_name: str, runs: list[Run], results: dict[str, dict[str, Any]]
     return "\n".join(lines)
 
 
+def _warm_bytes(res: dict[str, Any], run: Run) -> int:
+    """What a worker sent in the run's warm start: an fp32 gradient all-reduce a data-parallel step (results.json
+    has it; runs cached before it did are counted here the same way)."""
+    warm = res.get("warm_start") or {}
+    if "bytes_sent_per_worker" in warm or warm.get("kind") != "sync":
+        return int(warm.get("bytes_sent_per_worker", 0))
+    from p2p_diloco.engine import fp32_bytes_sent  # torch: only for such a cached run
+
+    return fp32_bytes_sent(res["num_params"], run.workers) * int(warm["steps"])
+
+
 def _curve(res: dict[str, Any], run: Run) -> tuple[list[float], list[float], list[float]]:
-    """(tokens per worker, MB sent per worker, eval loss) at each evaluated round."""
+    """(tokens per worker, MB sent per worker, eval loss) at each evaluated round, a warm start's included."""
     rounds = int(res["rounds"])
     per_round_tokens = res["tokens_per_worker"] / rounds
     per_round_bytes = res["bytes_sent_per_worker"] / rounds
     warm = (res.get("warm_start") or {}).get("tokens", 0) / run.workers
+    warm_mb = _warm_bytes(res, run) / 1e6
     points = sorted((int(k), v) for k, v in res["eval_loss_per_round"].items())
-    return ([warm + k * per_round_tokens for k, _ in points], [k * per_round_bytes / 1e6 for k, _ in points],
-            [v for _, v in points])  # fmt: skip
+    return ([warm + k * per_round_tokens for k, _ in points],
+            [warm_mb + k * per_round_bytes / 1e6 for k, _ in points], [v for _, v in points])  # fmt: skip
 
 
 def _plots(preset_name: str, runs: list[Run], results: dict[str, dict[str, Any]], doc: Path) -> list[str]:
@@ -410,8 +423,9 @@ Written by `python scripts/paper_table.py` (per preset: `--preset tiny`, `--pres
 replaced when its preset is run again, the others are kept. All runs are the in-process simulator (the swarm is
 checked against it bitwise, tests/test_swarm.py), at equal tokens per worker within a preset (a warm start's
 tokens included). Ratios are final eval loss ÷ the data-parallel run with the same group, workers and shards;
-lower is better. "worst label": the highest per-label eval loss. "MB sent" and "tokens" are per worker; "wall s"
-was measured on a shared 2-core machine with two or three runs at a time (and pauses): rough only.
+lower is better. "worst label": the highest per-label eval loss. "MB sent" and "tokens" are per worker, a warm
+start's included (its data-parallel steps send an fp32 gradient each); "wall s" was measured on a shared 2-core
+machine with two or three runs at a time (and pauses): rough only.
 
 ## The papers, as ratios to their data-parallel baseline
 

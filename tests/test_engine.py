@@ -9,7 +9,7 @@ import torch
 
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state, save_round
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.engine import ReduceInfo, Worker
+from p2p_diloco.engine import ReduceInfo, Worker, fp32_bytes_sent
 from p2p_diloco.inner import lr_at
 from p2p_diloco.model import build_model
 from p2p_diloco.simulate import main as simulation_main
@@ -224,6 +224,7 @@ def test_warm_start_is_ordinary_training_then_every_worker_starts_diloco_from_it
     alone = simulate(alone_cfg, kind, 3, tmp_path / "a")
     w = res["warm_start"]
     assert w["kind"] == kind and w["steps"] == steps
+    assert w["bytes_sent_per_worker"] == (steps * fp32_bytes_sent(res["num_params"], 3) if kind == "sync" else 0)
     assert w["tokens"] == steps * (1 if kind == "single" else 3) * 8 * 64 == alone["tokens_per_worker"] * 3
     assert w["eval_loss"] == alone["final_eval_loss"] == res["eval_loss_per_round"]["0"]  # the same weights, exactly
     assert w["eval_loss"] < res["initial_eval_loss"] - 0.5 and res["tokens_per_worker"] == 2 * 4 * 8 * 64
