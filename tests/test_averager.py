@@ -217,9 +217,13 @@ def test_peer_killed_mid_allreduce_never_yields_a_partial_mean(spawn):
     print("kill test:", json.dumps({"dying_at": dying["t"], "results": results}, indent=1))
     assert infos[0]["complete"] == infos[1]["complete"], infos  # never a mix
     survivors_mean = weighted_mean([0, 1], weights[:2], shapes)
+    if infos[0]["complete"]:
+        # the survivor the dying peer was sending parts to retried; the other may have been still matchmaking when
+        # that group broke up (seen in CI: its first attempt was already the group of two)
+        assert max(info["attempts"] for info in infos) >= 2, infos
     for seed, peer, info in zip([0, 1], survivors, infos, strict=True):
         if info["complete"]:
-            assert info["group_size"] == 2 and info["attempts"] >= 2, info
+            assert info["group_size"] == 2, info
             assert_close(peer.result(), survivors_mean)
         else:
             assert info["group_size"] == 1 and info["reason"], info
