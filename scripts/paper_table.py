@@ -25,8 +25,8 @@ not divide the steps are left out (small: H 500).
 
 Output: OUT/<run>/ (results.json, metrics.jsonl of each run: a run with results.json is not run again, so a stopped
 table resumes), OUT/table.json, and ``--doc`` (docs/paper_table.md): the tables, each loss beside its ratio to
-the data-parallel run with the same group, workers and shards, and the papers' figures as ratios to their own
-data-parallel baseline; plots beside it (``<doc stem>/<preset>_loss_vs_tokens.png``, ``..._loss_vs_bytes.png``).
+the data-parallel run of the same cohort (group, workers, shards, seed), and the papers' figures as ratios to their
+own data-parallel baseline; plots beside it (``<doc stem>/<preset>_loss_vs_tokens.png``, ``..._loss_vs_bytes.png``).
 A run that fails is reported with its exit code and the tail of its log, and left out of the tables; the others
 still run.
 """
@@ -350,7 +350,7 @@ def _plots(preset_name: str, runs: list[Run], results: dict[str, dict[str, Any]]
 
 
 def baseline(run: Run, runs: list[Run], results: dict[str, dict[str, Any]]) -> float | None:
-    """The final eval loss of ``run``'s data-parallel baseline: same group, workers and partition; None if absent."""
+    """The final eval loss of ``run``'s data-parallel baseline, the first sync run of its cohort; None if absent."""
     for r in runs:
         if r.mode == "sync" and r.cohort == run.cohort and "error" not in results[r.name]:
             return results[r.name]["final_eval_loss"]
@@ -422,10 +422,10 @@ HEADER = """# The paper's comparisons on this build (issue 13, item 4)
 Written by `python scripts/paper_table.py` (per preset: `--preset tiny`, `--preset small`); each section is
 replaced when its preset is run again, the others are kept. All runs are the in-process simulator (the swarm is
 checked against it bitwise, tests/test_swarm.py), at equal tokens per worker within a preset (a warm start's
-tokens included). Ratios are final eval loss ÷ the data-parallel run with the same group, workers and shards;
-lower is better. "worst label": the highest per-label eval loss. "MB sent" and "tokens" are per worker, a warm
-start's included (its data-parallel steps send an fp32 gradient each); "wall s" was measured on a shared 2-core
-machine with two or three runs at a time (and pauses): rough only.
+tokens included). Ratios are final eval loss ÷ the data-parallel run with the same group (gap: main's), workers,
+shards and seed; lower is better. "worst label": the highest per-label eval loss. "MB sent" and "tokens" are per
+worker, a warm start's included (its data-parallel steps send an fp32 gradient each); "wall s" was measured on a
+shared 2-core machine with two or three runs at a time (and pauses): rough only.
 
 ## The papers, as ratios to their data-parallel baseline
 
