@@ -154,6 +154,7 @@ class SwarmConfig:
     # outer lr tried; small +3%), so it pays only where waiting for the exchange costs more than that (slow links,
     # big models): BENCHMARKS.md item 7 and docs/compression.md.
     overlap: str = "none"
+    overlap_steps: int = 5  # eager: inner steps of the next round before the group's Δ̄ is applied (waits there)
     record_ttl: float = 120.0  # seconds a peer's DHT record stays fresh
     start_peers: int = 1  # wait (up to join_timeout) until this many peers of the run are up before round 1
     linger_seconds: float = 10.0  # after the last round, keep serving the state to peers that still resync
@@ -318,6 +319,7 @@ def _check_ranges(cfg: Config) -> None:
     need(s.linger_seconds >= 0, "swarm.linger_seconds", s.linger_seconds, ">= 0 seconds")
     need(0 <= s.max_staleness <= 8, "swarm.max_staleness", s.max_staleness, "in [0, 8] rounds")
     need(0 <= s.staleness_decay <= 8, "swarm.staleness_decay", s.staleness_decay, "in [0, 8]")
+    need(s.overlap_steps >= 1, "swarm.overlap_steps", s.overlap_steps, ">= 1 inner steps")
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
     need(

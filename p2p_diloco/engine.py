@@ -7,20 +7,25 @@ State:   the worker's model θ (on its device), its inner optimizer (kept across
          the replicated OuterState (anchor, momentum, round; fp32 CPU) and the number of batches it has
          taken from its shard. ``local_state``/``restore_local_state`` carry the parts no other peer
          holds (AdamW moments, place in the shard) through a checkpoint. With ``swarm.overlap`` eager also the
-         start point of the inner steps (``start``) and the exchange in flight (``pending``, one at most).
+         exchange in flight (``pending``, one at most) and θ as it was sent (``start``, until it is settled).
 Failure: ``contribute`` raises NonFiniteLossError / NonFiniteUpdateError (or whatever ``on_step`` raises, e.g.
          a stop request) with θ reset to where the inner steps started; ``settle`` never applies a non-finite Δ̄
          (it logs, resets θ and returns None).
 
 Overlap (``swarm.overlap``): none: ``run_round`` = contribute, reduce, settle; the peer waits for the exchange.
-eager: ``run_round`` = contribute (inner steps from ``start``), ``drain`` (wait for the exchange of the round
-before, which ran during these inner steps, and settle it: the replicated outer state moves by the group's Δ̄
-exactly as without overlap), ``launch`` (send this round's Δ in the background, tagged with the outer state it will
-be applied to; the next inner steps start from that state with this peer's own Δ applied at once, a local
-look-ahead the group's Δ̄ corrects one round later). The outer state, its checksum, the vote, catch-up, resync and
-checkpoints see only the replicated state, so they work as without overlap; a download (``load_state``) drops
-the look-ahead. The last exchange (or one in flight at a stop) is settled by ``drain`` before the peer checkpoints
-and leaves; a crash loses it with the rounds since the last checkpoint, as without overlap.
+eager: the exchange of round t runs in the background while round t+1's inner steps go on from where round t's
+ended (θ is not reset: this peer's own Δ counts at once, as a local step of lr 1). After ``swarm.overlap_steps`` of
+those steps (or at the end of a shorter round) ``drain`` waits for the group's Δ̄, settles it (the replicated outer
+state moves exactly as without overlap: x_t = outer_step(x_{t-1}, Δ̄)) and corrects θ: θ ← x_t + (θ - θ_sent), the
+steps since the send carried over onto the group's new state (``start`` holds θ_sent meanwhile). The round's Δ is
+then x_t - θ at its end, as without overlap: all of its inner steps, measured from the state it is tagged with.
+With the exchange done within the first τ steps nothing waits; the price is that τ steps of each round start from a
+point that lacks the others' Δ of the round before (Streaming DiLoCo's overlap of τ steps, arXiv 2501.18512).
+``launch`` sends Δ, tagged with the state it was measured from (the one its Δ̄ is applied to). The outer state, its
+checksum, the vote, catch-up, resync and checkpoints see only the replicated state, so they work as without
+overlap; a download (``load_state``) while an exchange is in flight keeps the steps since the send on top of the
+downloaded anchor. The last exchange (or one in flight at a stop) is settled by ``drain`` before the peer
+checkpoints and leaves; a crash loses it with the rounds since the last checkpoint, as without overlap.
 
 The seam: this module knows nothing of hivemind. A Reducer takes this worker's Δ, its weight (tokens this
 round) and its GatherPayload, and returns the group's weighted mean Δ̄ and a ReduceInfo (with the group's
@@ -219,8 +224,8 @@ class Worker:
         total_steps = cfg.train.rounds * cfg.inner.steps
         self.inner = InnerOptimizer(self.model, cfg.inner, total_steps)
         self.state = OuterState.from_params(self.model.parameters())
-        # swarm.overlap eager: where the next inner steps start (the outer state with our own last Δ applied; None:
-        # the anchor), and the exchange in flight
+        # swarm.overlap eager: θ when the exchange in flight was sent (fp32 CPU; where this round's inner steps
+        # started until drain settles it; None: they started at the anchor), and that exchange
         self.start: list[torch.Tensor] | None = None
         self.pending: Pending | None = None
         self._exchanges: ThreadPoolExecutor | None = None
@@ -265,14 +270,16 @@ class Worker:
         return autocast(self.device, self.cfg.model)
 
     def load_state(self, state: OuterState) -> None:
-        """Adopt an outer state received from elsewhere (join, resync, resume, roll back); θ ← its anchor (an
-        eager start point from the old state is dropped with it)."""
+        """Adopt an outer state received from elsewhere (join, resync, resume, roll back); θ ← its anchor (with an
+        exchange in flight, the steps from now on are carried onto the state its drain ends with)."""
         self.state = state
-        self.start = None
         self.state.copy_to(self.model.parameters())
+        if self.start is not None:
+            self.start = [a.clone() for a in state.anchor]
 
     def reset_params(self) -> None:
-        """θ ← where this round's inner steps start: the eager start point if there is one, else the anchor."""
+        """θ ← where this round's inner steps started: θ as it was sent while an exchange is in flight (eager), else
+        the anchor."""
         if self.start is None:
             self.state.copy_to(self.model.parameters())
             return
@@ -320,9 +327,9 @@ class Worker:
             raise
 
     def pseudo_grad(self) -> list[torch.Tensor]:
-        """Δ = where the inner steps started - θ."""
+        """Δ = anchor - θ (eager: called once the exchange before is settled and θ carried onto the new anchor)."""
         try:
-            return pseudo_gradient(self.state.anchor if self.start is None else self.start, self.model.parameters())
+            return pseudo_gradient(self.state.anchor, self.model.parameters())
         except Exception:
             self.reset_params()
             raise
@@ -355,12 +362,30 @@ class Worker:
     def outer_lr(self, round: int) -> float:
         return outer_lr_at(round, self.cfg.outer.lr, self.cfg.outer.lr_warmup_rounds)
 
-    def contribute(self, on_step: Callable[[int, float], None] | None = None) -> Contribution:
-        """H inner steps from θ = anchor, then Δ and this round's payload. Raises with θ reset (module doc)."""
-        tag = self.tag()
-        stats = self.train_inner(on_step)
+    def contribute(
+        self, on_step: Callable[[int, float], None] | None = None, drain: Callable[[], Any] | None = None
+    ) -> Contribution:
+        """H inner steps from θ, then Δ and this round's payload. Raises with θ reset (module doc). With an exchange
+        in flight (eager), ``drain`` (settle it: ``Worker.drain`` with the round's rules) runs after
+        ``swarm.overlap_steps`` of the steps, or after the last one if the round is shorter, so Δ and the payload's
+        tag are of the state it leaves."""
+        self.tag()  # hashed now, while nobody waits for it (cached: the state is not hashed twice)
+        after = self.cfg.swarm.overlap_steps
+
+        def stepped(k: int, loss: float) -> None:
+            if on_step is not None:
+                on_step(k, loss)
+            if k + 1 == after and self.pending is not None and drain is not None:
+                drain()
+
+        stats = self.train_inner(stepped if self.pending is not None else on_step)
+        if self.pending is not None:
+            if drain is None:
+                self.reset_params()
+                raise RuntimeError("an exchange is in flight: contribute needs its drain")
+            drain()
         delta = self.pseudo_grad()
-        return Contribution(delta, GatherPayload(tag, stats.tokens), stats)
+        return Contribution(delta, GatherPayload(self.tag(), stats.tokens), stats)
 
     def settle(
         self,
@@ -380,7 +405,7 @@ class Worker:
             self.state.copy_to(self.model.parameters())  # θ back to the (possibly downloaded) anchor
             return None
         evals = self.maybe_evaluate(eval_sets)
-        return RoundResult(self.state.round, mine.inner, info, self.state.checksum(), done, evals, decision.action)
+        return RoundResult(self.state.round, mine.inner, info, self.tag().checksum, done, evals, decision.action)
 
     def _carry_out(
         self, decision: Decision, averaged: list[torch.Tensor], info: ReduceInfo, sync: SharedState | None
@@ -423,15 +448,21 @@ class Worker:
         eval_sets: dict[str, torch.Tensor] | None = None,
     ) -> RoundResult | None:
         """A whole round through a Reducer: contribute, reduce, settle (the path run_peer takes). With
-        ``swarm.overlap`` eager: contribute, settle the exchange that ran meanwhile (``drain``), send this one
-        (``launch``); its result is settled by the next call, or by ``drain`` after the last round."""
-        mine = self.contribute(on_step)
+        ``swarm.overlap`` eager: contribute (settling the exchange of the round before on the way: ``drain``), then
+        send this round's Δ (``launch``); its result is settled by the next call, or by ``drain`` after the last
+        round. Returns the result of the round settled in this call."""
         if self.cfg.swarm.overlap == "none":
+            mine = self.contribute(on_step)
             started = time.monotonic()
             averaged, info = reducer.reduce(mine.pseudo_grad, float(mine.inner.tokens), mine.payload)
             info.wait_seconds = time.monotonic() - started
             return self.settle(mine, averaged, info, rules, sync, eval_sets)
-        result = self.drain(rules, sync, eval_sets)
+        settled: list[RoundResult | None] = [None]
+
+        def drain() -> None:
+            settled[0] = self.drain(rules, sync, eval_sets)
+
+        mine = self.contribute(on_step, drain)
         if self._exchanges is None:
             self._exchanges = ThreadPoolExecutor(1, thread_name_prefix="exchange")
         self.launch(
@@ -440,43 +471,52 @@ class Worker:
                 reducer.reduce, sent.pseudo_grad, float(sent.inner.tokens), sent.payload
             ),
         )
-        return result
+        return settled[0]
 
     def launch(self, mine: Contribution, send: Callable[[Contribution], Future]) -> Contribution:
-        """Eager: send ``mine`` tagged with the outer state as it is now (the state its group's Δ̄ will be applied
-        to), and start the next inner steps from that state with our own Δ applied at once (a copy: the outer state
-        itself moves only by ``drain``). Returns what was sent."""
-        sent = Contribution(mine.pseudo_grad, GatherPayload(self.tag(), mine.inner.tokens), mine.inner)
-        ahead = self.state.copy()
-        ahead.apply(mine.pseudo_grad, self.outer_lr(self.state.round), self.cfg.outer.momentum, self.cfg.outer.nesterov)
-        self.start = ahead.anchor
-        self.reset_params()
-        self.pending = Pending(sent, send(sent))
-        return sent
+        """Eager: send ``mine`` (tagged with the outer state its Δ was measured from, the one the group's Δ̄ will be
+        applied to) and go on from θ as it is; θ is kept (``start``) for the correction ``drain`` makes."""
+        self.start = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
+        self.pending = Pending(mine, send(mine))
+        return mine
 
     def drain(
         self, rules: RoundRules, sync: SharedState | None = None, eval_sets: dict[str, torch.Tensor] | None = None
     ) -> RoundResult | None:
         """Eager: wait for the exchange in flight and settle it (the outer state moves by the group's Δ̄, or as
-        ``decide`` says); None when there is none or it changed nothing. θ ← the anchor afterwards."""
+        ``decide`` says), then carry the inner steps taken since it was sent onto the outer state settled:
+        θ ← anchor + (θ - θ_sent). None when there is none or it changed nothing."""
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
-        started = time.monotonic()
-        averaged, info = pending.result.result()
-        info.wait_seconds = time.monotonic() - started
+        params = list(self.model.parameters())
+        with torch.no_grad():  # θ - θ_sent, into θ_sent's buffers
+            drift = [
+                torch.sub(p.detach().to("cpu", torch.float32), s, out=s)
+                for p, s in zip(params, self.start, strict=True)
+            ]
         self.start = None
-        sent = pending.mine.payload.tag
-        if self.tag() != sent:  # a rollback or a download replaced the state the group's Δ̄ belongs to
-            log.warning(
-                "round %d: the outer state changed while its exchange was in flight (%s, sent %s): result dropped",
-                sent.round + 1,
-                self.tag(),
-                sent,
-            )
-            self.reset_params()
-            return None
-        return self.settle(pending.mine, averaged, info, rules, sync, eval_sets)
+        result = None
+        try:
+            started = time.monotonic()
+            averaged, info = pending.result.result()
+            info.wait_seconds = time.monotonic() - started
+            sent = pending.mine.payload.tag
+            if self.tag() != sent:  # a rollback or a download replaced the state the group's Δ̄ belongs to
+                log.warning(
+                    "round %d: the outer state changed while its exchange was in flight (%s, sent %s): result dropped",
+                    sent.round + 1,
+                    self.tag(),
+                    sent,
+                )
+            else:
+                result = self.settle(pending.mine, averaged, info, rules, sync, eval_sets)
+        finally:
+            self.state.copy_to(params)
+            with torch.no_grad():
+                for p, d in zip(params, drift, strict=True):
+                    p.add_(d.to(p.device))
+        return result
 
     def close(self) -> None:
         """Let the exchange thread go (drain first: an exchange still in flight here is abandoned)."""

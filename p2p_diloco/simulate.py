@@ -70,7 +70,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -404,7 +404,8 @@ def _diloco_rounds(
 ) -> Iterator[RoundResult]:
     """Every round of the K workers through the same contribute/settle (and, with ``swarm.overlap`` eager, the same
     launch/drain) as a swarm peer, with an in-process aggregation (``swarm.aggregation``) standing in for the
-    reducers. Eager: round r's mean is settled after round r+1's inner steps, the last one after the loop."""
+    reducers. Eager: round r's mean is settled by each worker after ``swarm.overlap_steps`` of its round r+1 inner
+    steps, the last one after the loop."""
     cfg = pool[0].cfg
     sent = wire_bytes_sent(cfg, [a.shape for a in pool[0].state.anchor], len(pool))
 
@@ -412,14 +413,16 @@ def _diloco_rounds(
         gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
         return ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
 
-    def drained() -> RoundResult:
-        mine = [w.pending.mine for w in pool]
-        results = [w.drain(rules, eval_sets=eval_sets if k == 0 else None) for k, w in enumerate(pool)]
-        return _applied(pool, mine, results)
+    def drainer(k: int, w: Worker, into: list[RoundResult | None]) -> Callable[[], None]:
+        def drain() -> None:
+            into[k] = w.drain(rules, eval_sets=eval_sets if k == 0 else None)
 
+        return drain
+
+    launched: list[Contribution] = []
     for _ in range(cfg.train.rounds):
-        mine = [w.contribute() for w in pool]
         if cfg.swarm.overlap == "none":
+            mine = [w.contribute() for w in pool]
             averaged = _aggregate(cfg, mine, attack, stats)
             results = [
                 w.settle(c, averaged, info(mine), rules, eval_sets=eval_sets if k == 0 else None)
@@ -427,15 +430,20 @@ def _diloco_rounds(
             ]
             yield _applied(pool, mine, results)
             continue
-        if pool[0].pending is not None:
-            yield drained()
+        drained: list[RoundResult | None] = [None] * len(pool)
+        mine = [w.contribute(drain=drainer(k, w, drained)) for k, w in enumerate(pool)]
+        if launched:
+            yield _applied(pool, launched, drained)
         futures = [Future() for _ in pool]
         launched = [w.launch(c, lambda _, f=f: f) for w, c, f in zip(pool, mine, futures, strict=True)]
         averaged = _aggregate(cfg, launched, attack, stats)
         for future in futures:
             future.set_result((averaged, info(launched)))
-    if pool[0].pending is not None:
-        yield drained()
+    if launched:
+        drained = [None] * len(pool)
+        for k, w in enumerate(pool):
+            drainer(k, w, drained)()
+        yield _applied(pool, launched, drained)
 
 
 class _Swarm:

@@ -315,38 +315,70 @@ def test_pretrained_model_loads_from_a_local_path(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
 
 
-def test_eager_overlap_keeps_the_outer_state_replicated_while_an_exchange_is_in_flight():
-    """swarm.overlap eager: after ``run_round`` the outer state is the one the exchange was tagged with (what a
-    checkpoint or a donor holds), θ is the look-ahead (that state plus the own Δ), the inner schedule counts the
-    round in flight, and ``drain`` applies the group's Δ̄ to the outer state only."""
-    cfg = load_config(TINY, ["inner.steps=3", "train.rounds=3", "swarm.overlap=eager", *FAST])
-    worker = Worker(cfg, 257, _batches(2))
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_the_send_onto_the_new_state():
+    """swarm.overlap eager, H 3, overlap_steps 2: round 1's Δ is sent and θ goes on from where round 1 ended; after 2
+    of round 2's steps the group's Δ̄ moves the outer state exactly as without overlap, and θ becomes the new anchor
+    plus those 2 steps' displacement; round 2's Δ is then anchor - θ. A worker doing the same by hand, step for
+    step, ends bitwise equal."""
+    cfg = load_config(TINY, ["inner.steps=3", "train.rounds=3", "swarm.overlap=eager", "swarm.overlap_steps=2", *FAST])
+    worker, ref = Worker(cfg, 257, _batches(2)), Worker(cfg, 257, _batches(2))
     seed_tag = worker.tag()
     assert worker.run_round(_SelfReducer(), RoundRules()) is None  # its exchange is in flight
     assert worker.in_flight == 1 and worker.pending.mine.payload.tag == seed_tag == worker.tag()
-    assert not all(torch.equal(a, p.detach()) for a, p in zip(worker.state.anchor, worker.model.parameters()))
-    assert all(torch.equal(x, p.detach()) for x, p in zip(worker.start, worker.model.parameters()))
-    sent = worker.pending.mine.pseudo_grad
-    expected = worker.state.copy()
-    expected.apply(sent, worker.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)
-    result = worker.run_round(_SelfReducer(), RoundRules())  # round 2's inner steps, then round 1 settled
+    sent_theta = _params(worker.model)
+    assert not all(torch.equal(a, p) for a, p in zip(worker.state.anchor, sent_theta))  # θ is not reset
+    assert all(torch.equal(x, p) for x, p in zip(worker.start, sent_theta))
+
+    # by hand: round 1 blocking, then 2 steps from θ_sent, the outer step, the carry, 1 more step
+    ref_delta = ref.contribute().pseudo_grad
+    assert all(torch.equal(a, b) for a, b in zip(ref_delta, worker.pending.mine.pseudo_grad))
+    ref.inner.run(ref.batches, 2, 3, ref.autocast, ref.device)
+    expected = ref.state.copy()
+    expected.apply(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)
+    carried = [e + (p.detach() - s) for e, p, s in zip(expected.anchor, ref.model.parameters(), sent_theta)]
+    with torch.no_grad():
+        for p, c in zip(ref.model.parameters(), carried):
+            p.copy_(c)
+    ref.inner.run(ref.batches, 1, 5, ref.autocast, ref.device)
+
+    result = worker.run_round(_SelfReducer(), RoundRules())  # round 2's steps, round 1 settled after 2 of them
     assert result is not None and result.outer_step == 1 and worker.state.checksum() == expected.checksum()
+    assert result.checksum == expected.checksum()
+    assert all(torch.equal(a, b) for a, b in zip(_params(worker.model), _params(ref.model)))
     assert int(next(iter(worker.inner.optimizer.state.values()))["step"]) == 6
+    round2 = worker.pending.mine
+    assert round2.payload.tag.round == 1  # tagged with the state it was measured from
+    assert all(torch.equal(d, a - p) for d, a, p in zip(round2.pseudo_grad, expected.anchor, _params(ref.model)))
     last = worker.drain(RoundRules())
     assert last is not None and last.outer_step == 2 and worker.pending is None and worker.start is None
-    assert all(torch.equal(a, p.detach()) for a, p in zip(worker.state.anchor, worker.model.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(worker.state.anchor, _params(worker.model)))  # nothing since
+
+
+def test_eager_settles_at_the_end_of_a_round_shorter_than_overlap_steps():
+    cfg = load_config(TINY, ["inner.steps=2", "train.rounds=3", "swarm.overlap=eager", "swarm.overlap_steps=5", *FAST])
+    worker = Worker(cfg, 257, _batches(4))
+    worker.run_round(_SelfReducer(), RoundRules())
+    result = worker.run_round(_SelfReducer(), RoundRules())
+    assert result is not None and result.outer_step == 1 and worker.pending.mine.payload.tag.round == 1
+    with pytest.raises(RuntimeError, match="in flight"):  # a caller that would take Δ against a stale anchor
+        worker.contribute()
+    assert all(torch.equal(x, p) for x, p in zip(worker.start, _params(worker.model)))  # θ back where it started
 
 
 def test_eager_drops_an_exchange_whose_outer_state_was_replaced_meanwhile():
     """A rollback or download while the exchange is in flight: its Δ̄ belongs to another state, so it is dropped
-    (not applied to the new one), and θ starts from the new anchor."""
+    (not applied to the new one), and θ goes on from the new anchor with the steps taken since."""
     cfg = load_config(TINY, ["inner.steps=2", "train.rounds=3", "swarm.overlap=eager", *FAST])
     worker = Worker(cfg, 257, _batches(3))
     worker.run_round(_SelfReducer(), RoundRules())
     downloaded = worker.state.copy()
     downloaded.round = 7
     worker.load_state(downloaded)
-    assert worker.start is None
+    assert all(torch.equal(x, a) for x, a in zip(worker.start, downloaded.anchor))
     assert worker.drain(RoundRules()) is None
-    assert worker.state.round == 7 and worker.pending is None
+    assert worker.state.round == 7 and worker.pending is None and worker.start is None
     assert all(torch.equal(a, p.detach()) for a, p in zip(worker.state.anchor, worker.model.parameters()))
