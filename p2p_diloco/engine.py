@@ -7,20 +7,21 @@ State:   the worker's model θ (on its device), its inner optimizer (kept across
          the replicated OuterState (anchor, momentum, round; fp32 CPU) and the number of batches it has
          taken from its shard. ``local_state``/``restore_local_state`` carry the parts no other peer
          holds (AdamW moments, place in the shard) through a checkpoint. With ``swarm.overlap`` eager also the
-         exchange in flight (``pending``, one at most) and θ as it was sent (``start``, until it is settled).
+         exchange in flight (``pending``, one at most) and the look-ahead the inner steps started from (``start``).
 Failure: ``contribute`` raises NonFiniteLossError / NonFiniteUpdateError (or whatever ``on_step`` raises, e.g.
          a stop request) with θ reset to where the inner steps started; ``settle`` never applies a non-finite Δ̄
          (it logs, resets θ and returns None).
 
 Overlap (``swarm.overlap``): none: ``run_round`` = contribute, reduce, settle; the peer waits for the exchange.
-eager: the exchange of round t runs in the background while round t+1's inner steps go on from where round t's
-ended (θ is not reset: this peer's own Δ counts at once, as a local step of lr 1). After ``swarm.overlap_steps`` of
-those steps (or at the end of a shorter round) ``drain`` waits for the group's Δ̄, settles it (the replicated outer
-state moves exactly as without overlap: x_t = outer_step(x_{t-1}, Δ̄)) and corrects θ: θ ← x_t + (θ - θ_sent), the
-steps since the send carried over onto the group's new state (``start`` holds θ_sent meanwhile). The round's Δ is
-then x_t - θ at its end, as without overlap: all of its inner steps, measured from the state it is tagged with.
-With the exchange done within the first τ steps nothing waits; the price is that τ steps of each round start from a
-point that lacks the others' Δ of the round before (Streaming DiLoCo's overlap of τ steps, arXiv 2501.18512).
+eager: the exchange of round t runs in the background while round t+1's inner steps run. They start from the
+look-ahead x̂_t, the outer step taken with this peer's own Δ in place of the group's (outer lr and momentum as the
+real one), on a copy: the replicated state is not touched. After ``swarm.overlap_steps`` of them (or at the end of a
+shorter round) ``drain`` waits for the group's Δ̄, settles it (the replicated outer state moves exactly as without
+overlap: x_t = outer_step(x_{t-1}, Δ̄)) and corrects θ: θ ← x_t + (θ - x̂_t), the steps taken so far carried over
+from the look-ahead onto the real state. The round's Δ is then x_t - θ at its end, as without overlap: all of its
+inner steps, measured from the state it is tagged with. With the exchange done within those τ steps nothing waits;
+the price is that τ steps of each round run from x̂_t, not x_t (Streaming DiLoCo overlaps τ steps the same way,
+arXiv 2501.18512; measured in docs/compression.md). With τ = 0 it would be the blocking round, bitwise.
 ``launch`` sends Δ, tagged with the state it was measured from (the one its Δ̄ is applied to). The outer state, its
 checksum, the vote, catch-up, resync and checkpoints see only the replicated state, so they work as without
 overlap; a download (``load_state``) while an exchange is in flight keeps the steps since the send on top of the
@@ -224,8 +225,8 @@ class Worker:
         total_steps = cfg.train.rounds * cfg.inner.steps
         self.inner = InnerOptimizer(self.model, cfg.inner, total_steps)
         self.state = OuterState.from_params(self.model.parameters())
-        # swarm.overlap eager: θ when the exchange in flight was sent (fp32 CPU; where this round's inner steps
-        # started until drain settles it; None: they started at the anchor), and that exchange
+        # swarm.overlap eager: the look-ahead the inner steps started from while an exchange is in flight (fp32 CPU;
+        # None: they started at the anchor), and that exchange
         self.start: list[torch.Tensor] | None = None
         self.pending: Pending | None = None
         self._exchanges: ThreadPoolExecutor | None = None
@@ -278,8 +279,8 @@ class Worker:
             self.start = [a.clone() for a in state.anchor]
 
     def reset_params(self) -> None:
-        """θ ← where this round's inner steps started: θ as it was sent while an exchange is in flight (eager), else
-        the anchor."""
+        """θ ← where this round's inner steps started: the look-ahead while an exchange is in flight (eager), else the
+        anchor."""
         if self.start is None:
             self.state.copy_to(self.model.parameters())
             return
@@ -475,8 +476,11 @@ class Worker:
 
     def launch(self, mine: Contribution, send: Callable[[Contribution], Future]) -> Contribution:
         """Eager: send ``mine`` (tagged with the outer state its Δ was measured from, the one the group's Δ̄ will be
-        applied to) and go on from θ as it is; θ is kept (``start``) for the correction ``drain`` makes."""
-        self.start = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
+        applied to), and start the next inner steps from the look-ahead: the outer step with our own Δ in place of
+        the group's, on a copy (``start``, kept for the correction ``drain`` makes)."""
+        outer = self.cfg.outer
+        self.start = self.state.ahead(mine.pseudo_grad, self.outer_lr(self.state.round), outer.momentum, outer.nesterov)
+        self.reset_params()
         self.pending = Pending(mine, send(mine))
         return mine
 
@@ -484,13 +488,13 @@ class Worker:
         self, rules: RoundRules, sync: SharedState | None = None, eval_sets: dict[str, torch.Tensor] | None = None
     ) -> RoundResult | None:
         """Eager: wait for the exchange in flight and settle it (the outer state moves by the group's Δ̄, or as
-        ``decide`` says), then carry the inner steps taken since it was sent onto the outer state settled:
-        θ ← anchor + (θ - θ_sent). None when there is none or it changed nothing."""
+        ``decide`` says), then carry the inner steps taken since onto the outer state settled: θ ← anchor + (θ -
+        look-ahead). None when there is none or it changed nothing."""
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
         params = list(self.model.parameters())
-        with torch.no_grad():  # θ - θ_sent, into θ_sent's buffers
+        with torch.no_grad():  # θ - look-ahead, into the look-ahead's buffers
             drift = [
                 torch.sub(p.detach().to("cpu", torch.float32), s, out=s)
                 for p, s in zip(params, self.start, strict=True)

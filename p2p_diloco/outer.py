@@ -103,6 +103,21 @@ class OuterState:
             a.add_(g, alpha=-lr)
         self.round += 1
 
+    def ahead(
+        self, avg_delta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool = True
+    ) -> list[torch.Tensor]:
+        """The anchor that ``apply`` with these arguments would leave, as new tensors (op for op the same, so equal
+        to it bitwise); the state itself is not changed."""
+        _check_finite(avg_delta, "pseudo-gradient")
+        out = []
+        for a, buf, g in zip(self.anchor, self.momentum, avg_delta, strict=True):
+            g = g.to(torch.float32)
+            if momentum != 0:
+                step = buf.mul(momentum).add_(g)
+                g = g.add(step, alpha=momentum) if nesterov else step
+            out.append(a.add(g, alpha=-lr))
+        return out
+
     def copy_to(self, params: Iterable[torch.Tensor]) -> None:
         """θ ← anchor (into the model's params, whatever their device and dtype)."""
         with torch.no_grad():

@@ -319,27 +319,30 @@ def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_the_send_onto_the_new_state():
-    """swarm.overlap eager, H 3, overlap_steps 2: round 1's Δ is sent and θ goes on from where round 1 ended; after 2
-    of round 2's steps the group's Δ̄ moves the outer state exactly as without overlap, and θ becomes the new anchor
-    plus those 2 steps' displacement; round 2's Δ is then anchor - θ. A worker doing the same by hand, step for
-    step, ends bitwise equal."""
+def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_onto_the_new_state():
+    """swarm.overlap eager, H 3, overlap_steps 2: round 1's Δ is sent and round 2's steps start from the look-ahead
+    (the outer step with the own Δ, on a copy); after 2 of them the group's Δ̄ moves the outer state exactly as
+    without overlap, and θ becomes the new anchor plus those 2 steps' displacement; round 2's Δ is then anchor - θ.
+    A worker doing the same by hand, step for step, ends bitwise equal."""
     cfg = load_config(TINY, ["inner.steps=3", "train.rounds=3", "swarm.overlap=eager", "swarm.overlap_steps=2", *FAST])
     worker, ref = Worker(cfg, 257, _batches(2)), Worker(cfg, 257, _batches(2))
     seed_tag = worker.tag()
     assert worker.run_round(_SelfReducer(), RoundRules()) is None  # its exchange is in flight
     assert worker.in_flight == 1 and worker.pending.mine.payload.tag == seed_tag == worker.tag()
-    sent_theta = _params(worker.model)
-    assert not all(torch.equal(a, p) for a, p in zip(worker.state.anchor, sent_theta))  # θ is not reset
-    assert all(torch.equal(x, p) for x, p in zip(worker.start, sent_theta))
 
-    # by hand: round 1 blocking, then 2 steps from θ_sent, the outer step, the carry, 1 more step
+    # by hand: round 1 blocking, the look-ahead, 2 steps from it, the outer step, the carry, 1 more step
     ref_delta = ref.contribute().pseudo_grad
     assert all(torch.equal(a, b) for a, b in zip(ref_delta, worker.pending.mine.pseudo_grad))
+    ahead = ref.state.copy()
+    ahead.apply(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)
+    assert all(torch.equal(x, p) for x, p in zip(ahead.anchor, _params(worker.model)))  # θ at the look-ahead
+    assert all(torch.equal(x, s) for x, s in zip(ahead.anchor, worker.start))
+    assert worker.state.round == 0  # the outer state itself did not move
+    ahead.copy_to(ref.model.parameters())
     ref.inner.run(ref.batches, 2, 3, ref.autocast, ref.device)
     expected = ref.state.copy()
-    expected.apply(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)
-    carried = [e + (p.detach() - s) for e, p, s in zip(expected.anchor, ref.model.parameters(), sent_theta)]
+    expected.apply(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)  # Δ̄ of a group of one
+    carried = [e + (p.detach() - x) for e, p, x in zip(expected.anchor, ref.model.parameters(), ahead.anchor)]
     with torch.no_grad():
         for p, c in zip(ref.model.parameters(), carried):
             p.copy_(c)
@@ -348,14 +351,29 @@ def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_t
     result = worker.run_round(_SelfReducer(), RoundRules())  # round 2's steps, round 1 settled after 2 of them
     assert result is not None and result.outer_step == 1 and worker.state.checksum() == expected.checksum()
     assert result.checksum == expected.checksum()
-    assert all(torch.equal(a, b) for a, b in zip(_params(worker.model), _params(ref.model)))
-    assert int(next(iter(worker.inner.optimizer.state.values()))["step"]) == 6
     round2 = worker.pending.mine
     assert round2.payload.tag.round == 1  # tagged with the state it was measured from
     assert all(torch.equal(d, a - p) for d, a, p in zip(round2.pseudo_grad, expected.anchor, _params(ref.model)))
+    assert int(next(iter(worker.inner.optimizer.state.values()))["step"]) == 6
     last = worker.drain(RoundRules())
     assert last is not None and last.outer_step == 2 and worker.pending is None and worker.start is None
-    assert all(torch.equal(a, p) for a, p in zip(worker.state.anchor, _params(worker.model)))  # nothing since
+    assert all(torch.equal(a, p) for a, p in zip(worker.state.anchor, _params(worker.model)))  # no step since
+
+
+def test_eager_with_one_worker_and_plain_outer_sgd_is_plain_adamw():
+    """Invariant 1 holds with overlap too: one worker, outer lr 1, no momentum: the look-ahead is θ itself and the
+    correction is zero, so R rounds of H steps are R x H steps of AdamW, whatever overlap_steps is (to fp32
+    rounding: the look-ahead is anchor - (anchor - θ), not θ's own bits)."""
+    over = ["outer.lr=1.0", "outer.momentum=0.0", "outer.lr_warmup_rounds=0", "inner.steps=4", "train.rounds=3"]
+    plain = Worker(load_config(TINY, [*FAST, *over]), 257, _batches(5))
+    for _ in range(3):
+        plain.run_round(_SelfReducer(), RoundRules())
+    eager = Worker(load_config(TINY, [*FAST, *over, "swarm.overlap=eager", "swarm.overlap_steps=3"]), 257, _batches(5))
+    for _ in range(3):
+        eager.run_round(_SelfReducer(), RoundRules())
+    eager.drain(RoundRules())
+    assert eager.state.round == plain.state.round == 3
+    assert max((a - b).abs().max().item() for a, b in zip(eager.state.anchor, plain.state.anchor)) < 1e-6
 
 
 def test_eager_settles_at_the_end_of_a_round_shorter_than_overlap_steps():
