@@ -134,6 +134,8 @@ class Pending:
 
     mine: Contribution
     result: Future  # -> (averaged, ReduceInfo)
+    launched: float = field(default_factory=time.monotonic)
+    steps: int = 0  # inner steps taken since it was sent
 
 
 def fp32_bytes_sent(num_params: int, group_size: int) -> int:
@@ -376,8 +378,10 @@ class Worker:
         def stepped(k: int, loss: float) -> None:
             if on_step is not None:
                 on_step(k, loss)
-            if k + 1 == after and self.pending is not None and drain is not None:
-                drain()
+            if self.pending is not None:
+                self.pending.steps = k + 1
+                if k + 1 == after and drain is not None:
+                    drain()
 
         stats = self.train_inner(stepped if self.pending is not None else on_step)
         if self.pending is not None:
@@ -505,6 +509,7 @@ class Worker:
             started = time.monotonic()
             averaged, info = pending.result.result()
             info.wait_seconds = time.monotonic() - started
+            self._hint(pending, started, info.wait_seconds)
             sent = pending.mine.payload.tag
             if self.tag() != sent:  # a rollback or a download replaced the state the group's Δ̄ belongs to
                 log.warning(
@@ -521,6 +526,22 @@ class Worker:
                 for p, d in zip(params, drift, strict=True):
                     p.add_(d.to(p.device))
         return result
+
+    def _hint(self, pending: Pending, started: float, waited: float) -> None:
+        """Say how many inner steps the exchange took when the training waited for it (over 0.1 s)."""
+        if waited <= 0.1 or not pending.steps or started <= pending.launched:
+            return
+        took, pace = started + waited - pending.launched, (started - pending.launched) / pending.steps
+        log.info(
+            "round %d: waited %.2fs after %d inner steps for the group's Δ̄ (the exchange took %.1fs, %d steps at "
+            "this pace): swarm.overlap_steps=%d would hide it",
+            pending.mine.payload.tag.round + 1,
+            waited,
+            pending.steps,
+            took,
+            math.ceil(took / pace),
+            math.ceil(took / pace) + 1,
+        )
 
     def close(self) -> None:
         """Let the exchange thread go (drain first: an exchange still in flight here is abandoned)."""

@@ -113,6 +113,7 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
         "swarm.start_peers=3",
         f"swarm.compression={compression}",
         f"swarm.overlap={overlap}",
+        "swarm.overlap_steps=2",  # eager: round r's Δ̄ is settled after 2 of round r+1's 5 inner steps
     ]
     dirs = [tmp_path / f"peer{k}" for k in range(3)]
     peers = [start_peer(spawn, initial, d, *rounds, f"data.shard_index={k}") for k, d in enumerate(dirs)]

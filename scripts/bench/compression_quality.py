@@ -1,29 +1,26 @@
 """Item 8: quality at equal tokens of the wire codecs and of eager overlap, in the simulator (tiny and small).
 
 Usage:
-    python scripts/bench/compression_quality.py      # tiny and small, 29 runs (~37 CPU-min: ~20 min on 2 idle cores)
-    python scripts/bench/compression_quality.py --preset tiny --jobs 2 --seeds 1 2 3
-    python scripts/bench/compression_quality.py --preset small --rounds 6 --h 20 --rec-lr 0.7
+    python scripts/bench/compression_quality.py      # tiny and small, 31 runs (~75 CPU-min: ~40 min on 2 idle cores)
+    python scripts/bench/compression_quality.py --preset tiny --jobs 2 --seeds 0 1 2 3
+    python scripts/bench/compression_quality.py --preset small --rounds 6 --h 50 --taus 2 5
     python scripts/bench/compression_quality.py --smoke [--out DIR/compression_quality.json]  # tiny, 2 cases, 3 rounds
 
 Each case is one ``python -m p2p_diloco.simulate --mode diloco --workers 4`` run (a fresh single-threaded process,
 ``--jobs`` at a time; runs are seeded and deterministic, so running them side by side changes only their wall time)
 with ``swarm.compression`` (p2p_diloco/codec.py: what each worker's Δ and the group's mean go through on the wire),
-``swarm.overlap`` (engine.py: eager = the all-reduce of round t runs during round t+1's inner steps), ``outer.lr``
-and ``seed`` set per case. Every case of a preset has the same rounds x H inner steps per worker (equal tokens).
-Cases per preset, at seed 0:
-    blocking (overlap none), the preset's outer lr: compression none, fp16, bf16, int8
-    eager, the preset's outer lr: compression none, int8
-    outer-lr check: blocking none and eager none at each other lr of the preset's list (``--lrs``)
-then, once the eager none runs of every lr are in, the recommended lr ("rec", ``--rec-lr`` fixes it) is the lr whose
-eager none run had the lowest final eval loss, and these are added:
-    eager int8 at rec (the recommended combination), and where the preset has extra seeds, blocking int8 at rec
-    extra seeds (``--seeds``, tiny only by default): blocking none at the preset lr and at rec, blocking int8 and
-    eager int8 at rec (the key comparisons, to see the seed-to-seed noise)
-Each case's final eval loss is compared with the blocking none run of the same preset, outer lr and seed
-("ratio") and with the blocking none run at the preset's own lr and the same seed ("vs default": the settings a
-run gets today). A seed changes the model's initialisation, the shards' order and the eval split (data.py hashes
-the seed into it), so absolute losses of different seeds are not comparable; their ratios are.
+``swarm.overlap`` (engine.py: eager = the all-reduce of round t runs during round t+1's first τ inner steps, which
+start from the look-ahead and are carried onto the group's state once it is settled), ``swarm.overlap_steps`` (τ)
+and ``seed`` set per case, at the preset's own outer optimizer. Every case of a preset has the same rounds x H inner
+steps per worker (equal tokens). Cases per preset:
+    seed 0: blocking (overlap none) with compression none, fp16, bf16, int8; eager with none at τ_rec; eager with
+            int8 at every τ of ``--taus``
+    every other seed of ``--seeds``: blocking none, blocking int8, eager int8 at τ_rec (the key comparisons, to see
+            the seed-to-seed noise)
+τ_rec is ``--tau-rec`` (default: the config's ``swarm.overlap_steps``). Each case's final eval loss is compared with
+the blocking none run of the same preset and seed ("ratio"); the seeds table gives each combination's mean ratio. A
+seed changes the model's initialisation, the shards' order and the eval split (data.py hashes the seed into it), so
+absolute losses of different seeds are not comparable; their ratios are.
 MB sent per worker: the simulator's bytes_sent_per_worker (what one peer of a 4-peer butterfly sends: 2(n-1)/n x
 the encoded size of Δ per round, codec and part framing included), in 10^6 bytes.
 Output: scripts/bench/results/compression_quality.json (``--out`` to write elsewhere; ``--smoke`` without ``--out``:
@@ -50,36 +47,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import RESULTS_DIR, ROOT, Recorder, exit_on_sigterm, fill_defaults, single_thread_env  # noqa: E402
 
 WORKERS = 4
-# name -> config, rounds, H, overrides, outer lrs to check (the preset's own first), extra seeds by default
+# name -> config, rounds, H, overrides, overlap depths τ to check, seeds; H = 100 is the utilisation target's
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "config": "configs/tiny.yaml",
-        "rounds": 30,
-        "h": 10,
+        "rounds": 10,
+        "h": 100,
         "overrides": ["data.eval_batches=16", "train.eval_every=5"],
-        "lrs": [0.7, 0.5, 0.4],
-        "seeds": [1, 2],
+        "taus": [1, 5, 10, 25],
+        "seeds": [0, 1, 2],
     },
     # small at batch 1 x 32 (its own 16 x 256 takes about 1 s a step a core; see utilisation.py), the inner warmup
-    # scaled to the short run (the preset's 100 steps would be two thirds of it), eval on 32 rows of each label
+    # scaled to the short run (the preset's 100 steps would be a third of it), eval on 32 rows of each label
     # (eval batches are of data.batch_size rows) at the start and the end only
     "small": {
         "config": "configs/small.yaml",
-        "rounds": 10,
-        "h": 15,
+        "rounds": 6,
+        "h": 50,
         "overrides": [
             "data.batch_size=1",
             "data.seq_len=32",
             "data.eval_batches=32",
-            "inner.warmup_steps=25",
+            "inner.warmup_steps=50",
             "train.eval_every=0",
         ],
-        "lrs": [1.0, 0.7],
-        "seeds": [],
+        "taus": [2, 5, 10],
+        "seeds": [0, 1],
     },
 }
 DEFAULTS: dict[str, Any] = {"preset": ["tiny", "small"], "jobs": 2}
-SMOKE: dict[str, Any] = {"preset": ["tiny"], "rounds": 3, "h": 2, "lrs": [], "seeds": [], "jobs": 2}
+SMOKE: dict[str, Any] = {"preset": ["tiny"], "rounds": 3, "h": 4, "taus": [2], "seeds": [0], "jobs": 2}
 SMOKE_OVERRIDES = ["data.batch_size=2", "data.seq_len=32", "data.eval_batches=1", "train.eval_every=0"]
 
 
@@ -104,46 +101,39 @@ class Case:
     preset: str
     compression: str
     overlap: str
-    lr: float
+    tau: int  # swarm.overlap_steps (0 for blocking)
     seed: int
-    role: str  # why it is in the plan: codec, eager, lr_check, recommended, seed
+    role: str  # why it is in the plan: codec, eager, tau, seed
 
     @property
     def name(self) -> str:
-        over = "+eager" if self.overlap == "eager" else ""
-        return f"{self.preset}/{self.compression}{over}/lr{self.lr:g}/s{self.seed}"
+        over = f"+eager{self.tau}" if self.overlap == "eager" else ""
+        return f"{self.preset}/{self.compression}{over}/s{self.seed}"
 
-    def key(self) -> tuple[str, str, str, float, int]:
-        return (self.preset, self.compression, self.overlap, self.lr, self.seed)
+    def key(self) -> tuple[str, str, str, int, int]:
+        return (self.preset, self.compression, self.overlap, self.tau, self.seed)
 
 
-def preset_lr(preset: str) -> float:
+def default_tau() -> int:
     from p2p_diloco.config import load_config
 
-    return float(load_config(ROOT / PRESETS[preset]["config"], []).outer.lr)
+    return int(load_config(ROOT / PRESETS["tiny"]["config"], []).swarm.overlap_steps)
 
 
-def plan_first(preset: str, base_lr: float, lrs: list[float]) -> list[Case]:
-    """The seed-0 cases that do not depend on the recommended lr; the eager none runs first (they decide it)."""
-    eager = [Case(preset, "none", "eager", lr, 0, "eager" if lr == base_lr else "lr_check") for lr in lrs]
-    rest = [Case(preset, c, "none", base_lr, 0, "codec") for c in ("none", "fp16", "bf16", "int8")]
-    rest.append(Case(preset, "int8", "eager", base_lr, 0, "eager"))
-    rest += [Case(preset, "none", "none", lr, 0, "lr_check") for lr in lrs if lr != base_lr]
-    return eager + rest
-
-
-def plan_second(preset: str, base_lr: float, rec: float, seeds: list[int]) -> list[Case]:
-    """Cases at the recommended lr: the recommended combination and the extra seeds' key comparisons."""
-    out = [Case(preset, "int8", "eager", rec, 0, "recommended")]
-    if seeds:
-        out.append(Case(preset, "int8", "none", rec, 0, "recommended"))
-    for s in seeds:
-        out += [
-            Case(preset, "none", "none", base_lr, s, "seed"),
-            Case(preset, "none", "none", rec, s, "seed"),
-            Case(preset, "int8", "none", rec, s, "seed"),
-            Case(preset, "int8", "eager", rec, s, "seed"),
-        ]
+def plan(preset: str, taus: list[int], tau_rec: int, seeds: list[int]) -> list[Case]:
+    """The module doc's cases for one preset, seed 0 first."""
+    out: list[Case] = []
+    for seed in seeds:
+        if seed == seeds[0]:
+            out += [Case(preset, c, "none", 0, seed, "codec") for c in ("none", "fp16", "bf16", "int8")]
+            out.append(Case(preset, "none", "eager", tau_rec, seed, "eager"))
+            out += [Case(preset, "int8", "eager", t, seed, "tau") for t in dict.fromkeys([tau_rec, *taus])]
+        else:
+            out += [
+                Case(preset, "none", "none", 0, seed, "seed"),
+                Case(preset, "int8", "none", 0, seed, "seed"),
+                Case(preset, "int8", "eager", tau_rec, seed, "seed"),
+            ]
     return out
 
 
@@ -152,6 +142,7 @@ def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
     rounds = args.rounds or spec["rounds"]
     h = args.h or spec["h"]
     base = SMOKE_OVERRIDES if args.smoke else spec["overrides"]
+    eager = [f"swarm.overlap_steps={case.tau}"] if case.overlap == "eager" else []
     return [
         *base,
         *args.overrides,
@@ -160,7 +151,7 @@ def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
         "train.checkpoint_every=0",
         f"swarm.compression={case.compression}",
         f"swarm.overlap={case.overlap}",
-        f"outer.lr={case.lr:g}",
+        *eager,
         f"seed={case.seed}",
     ]
 
@@ -264,85 +255,79 @@ class Runner:
         self.running.clear()
 
 
-def find(records: dict[tuple, dict[str, Any]], preset: str, comp: str, over: str, lr: float, seed: int):
-    r = records.get((preset, comp, over, lr, seed))
-    return r if r is not None and r.get("final_eval_loss") is not None else None
-
-
-def add_ratios(records: dict[tuple, dict[str, Any]], base_lrs: dict[str, float]) -> None:
-    for (preset, _, _, lr, seed), r in records.items():
-        ref = find(records, preset, "none", "none", lr, seed)
-        dflt = find(records, preset, "none", "none", base_lrs[preset], seed)
+def add_ratios(records: dict[tuple, dict[str, Any]]) -> None:
+    for (preset, _, _, _, seed), r in records.items():
+        ref = records.get((preset, "none", "none", 0, seed))
+        ref_loss = ref.get("final_eval_loss") if ref else None
         loss = r.get("final_eval_loss")
-        r["reference_loss"] = ref["final_eval_loss"] if ref else None
-        r["ratio"] = loss / ref["final_eval_loss"] if loss is not None and ref else None
-        r["default_loss"] = dflt["final_eval_loss"] if dflt else None
-        r["ratio_vs_default"] = loss / dflt["final_eval_loss"] if loss is not None and dflt else None
+        r["reference_loss"] = ref_loss
+        r["ratio"] = loss / ref_loss if loss is not None and ref_loss else None
 
 
 def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def tables(records: dict[tuple, dict[str, Any]], base_lrs: dict[str, float], rec_lrs: dict[str, float]) -> str:
+def setting(compression: str, overlap: str, tau: int) -> str:
+    return f"{compression}" + (f" + eager τ={tau}" if overlap == "eager" else "")
+
+
+def tables(records: dict[tuple, dict[str, Any]], presets: list[str]) -> str:
     lines: list[str] = []
-    for preset in base_lrs:
-        rows = [r for k, r in records.items() if k[0] == preset and k[4] == 0]
-        if not rows:
+    for preset in presets:
+        seeds = sorted({k[4] for k in records if k[0] == preset})
+        if not seeds:
             continue
+        rows = [r for k, r in records.items() if k[0] == preset and k[4] == seeds[0]]
         rows.sort(
-            key=lambda r: (r["overlap"] != "none", -r["lr"], ["none", "fp16", "bf16", "int8"].index(r["compression"]))
+            key=lambda r: (r["overlap"] != "none", r["tau"], ["none", "fp16", "bf16", "int8"].index(r["compression"]))
         )
         lines += [
-            f"\n{preset} (seed 0; preset outer lr {base_lrs[preset]:g}, "
-            f"recommended lr {fmt(rec_lrs.get(preset), 'g')})\n",
-            "| compression | overlap | outer lr | final eval loss | ratio (same lr) | ratio (vs default) "
-            "| MB sent/worker | wall s | status |",
-            "|---|---|---|---|---|---|---|---|---|",
+            f"\n{preset} (seed {seeds[0]}; ratio = final eval loss / blocking none's)\n",
+            "| setting | final eval loss | ratio | MB sent/worker | wall s | status |",
+            "|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
-                f"| {r['compression']} | {r['overlap']} | {r['lr']:g} | {fmt(r.get('final_eval_loss'), '.4f')} "
-                f"| {fmt(r.get('ratio'), '.4f')} | {fmt(r.get('ratio_vs_default'), '.4f')} "
-                f"| {fmt(r.get('mb_sent_per_worker'), '.2f')} | {r['wall_seconds']:.0f} | {r['status']} |"
+                f"| {setting(r['compression'], r['overlap'], r['tau'])} | {fmt(r.get('final_eval_loss'), '.4f')} "
+                f"| {fmt(r.get('ratio'), '.4f')} | {fmt(r.get('mb_sent_per_worker'), '.2f')} "
+                f"| {r['wall_seconds']:.0f} | {r['status']} |"
             )
-        seeds = sorted({k[4] for k in records if k[0] == preset})
-        rec = rec_lrs.get(preset)
-        if len(seeds) > 1 and rec is not None:
-            base = base_lrs[preset]
-            combos = [("none", "none", base), ("none", "none", rec), ("int8", "none", rec), ("int8", "eager", rec)]
-            combos = list(dict.fromkeys(combos))
+        if len(seeds) > 1:
+            combos = sorted(
+                {k[1:4] for k in records if k[0] == preset and k[4] != seeds[0]}, key=lambda c: (c[1], c[0])
+            )
             lines += [
-                f"\n{preset}: seeds (final eval loss; ratio to blocking none at lr {rec:g} of the same seed; "
-                f"vs default = to blocking none at lr {base:g})\n",
-                "| seed | "
-                + " | ".join(f"{c}{'+eager' if o == 'eager' else ''} lr{lr:g}" for c, o, lr in combos)
-                + " |",
+                f"\n{preset}: every seed (final eval loss, ratio to blocking none of the same seed)\n",
+                "| seed | " + " | ".join(setting(*c) for c in combos) + " |",
                 "|---|" + "---|" * len(combos),
             ]
-            for s in seeds:
+            for seed in seeds:
                 cells = []
-                for c, o, lr in combos:
-                    r = records.get((preset, c, o, lr, s))
+                for c in combos:
+                    r = records.get((preset, *c, seed))
                     if r is None or r.get("final_eval_loss") is None:
                         cells.append("-" if r is None else r["status"])
                     else:
-                        cells.append(
-                            f"{r['final_eval_loss']:.4f} (x{fmt(r.get('ratio'), '.4f')}; "
-                            f"vs default x{fmt(r.get('ratio_vs_default'), '.4f')})"
-                        )
-                lines.append(f"| {s} | " + " | ".join(cells) + " |")
+                        cells.append(f"{r['final_eval_loss']:.4f} (x{fmt(r.get('ratio'), '.4f')})")
+                lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+            means = []
+            for c in combos:
+                ratios = [records[(preset, *c, s)].get("ratio") for s in seeds if (preset, *c, s) in records]
+                ratios = [x for x in ratios if x is not None]
+                means.append(f"x{sum(ratios) / len(ratios):.4f} ({len(ratios)} seeds)" if ratios else "-")
+            lines.append("| mean ratio | " + " | ".join(means) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=None, help="presets (tiny small)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds for every preset (tiny 30, small 10)")
-    p.add_argument("--h", type=int, default=None, help="inner steps per round for every preset (tiny 10, small 15)")
-    p.add_argument("--lrs", type=float, nargs="*", default=None, help="outer lrs to check besides the preset's own")
-    p.add_argument("--seeds", type=int, nargs="*", default=None, help="extra seeds for every preset (tiny: 1 2)")
-    p.add_argument("--rec-lr", type=float, default=None, help="recommended outer lr (default: best eager none run)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds for every preset (tiny 10, small 6)")
+    p.add_argument("--h", type=int, default=None, help="inner steps per round for every preset (tiny 100, small 50)")
+    p.add_argument("--taus", type=int, nargs="*", default=None, help="overlap depths τ of eager int8 at seed 0")
+    p.add_argument("--tau-rec", type=int, default=None, help="τ of the seed comparisons (the config's overlap_steps)")
+    p.add_argument("--seeds", type=int, nargs="*", default=None, help="seeds for every preset (tiny 0 1 2, small 0 1)")
     p.add_argument("--jobs", type=int, default=None, help="simulations at once, one thread each (2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override k=v (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/compression_quality.json)")
@@ -353,7 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
     exit_on_sigterm()
     rec = Recorder("compression_quality", vars(args), smoke=args.smoke)
-    base_lrs = {preset: preset_lr(preset) for preset in args.preset}
     target = args.out  # one file, rewritten after every case (a smoke run without --out: one temporary directory)
     if target is None:
         target = (
@@ -361,104 +345,68 @@ def main(argv: list[str] | None = None) -> int:
             if args.smoke
             else RESULTS_DIR / "compression_quality.json"
         )
-    lrs = {
-        preset: list(dict.fromkeys([base_lrs[preset], *(PRESETS[preset]["lrs"] if args.lrs is None else args.lrs)]))
-        for preset in args.preset
-    }
-    seeds = {preset: PRESETS[preset]["seeds"] if args.seeds is None else args.seeds for preset in args.preset}
-    if args.smoke:  # 2 cases: the reference and the recommended combination at the preset's lr
-        queue = [Case("tiny", "none", "none", base_lrs["tiny"], 0, "codec")]
-        queue.append(Case("tiny", "int8", "eager", base_lrs["tiny"], 0, "recommended"))
-        second_done = set(args.preset)
-    else:
-        # the longest runs first (small), so that the short ones fill the end
-        queue = [
-            c
-            for preset in sorted(args.preset, key=lambda n: n != "small")
-            for c in plan_first(preset, base_lrs[preset], lrs[preset])
-        ]
-        second_done: set[str] = set()
-    rec_lrs: dict[str, float] = {}
-    records: dict[tuple, dict[str, Any]] = {}
-    planned = {c.key() for c in queue}
-    total = len(queue)
-    rec.data.update(complete=False, workers=WORKERS, presets={}, recommended_lr=rec_lrs, cases=[])
+    tau_rec = args.tau_rec or default_tau()
+    settings = {}
     for preset in args.preset:
         spec = PRESETS[preset]
-        rec.data["presets"][preset] = {
+        settings[preset] = {
             "config": spec["config"],
             "rounds": args.rounds or spec["rounds"],
             "h": args.h or spec["h"],
             "overrides": [*(SMOKE_OVERRIDES if args.smoke else spec["overrides"]), *args.overrides],
-            "preset_outer_lr": base_lrs[preset],
-            "lrs_checked": lrs[preset],
-            "extra_seeds": seeds[preset],
+            "taus": spec["taus"] if args.taus is None else args.taus,
+            "tau_rec": tau_rec,
+            "seeds": spec["seeds"] if args.seeds is None else args.seeds,
         }
+    if args.smoke:  # 2 cases: the reference and eager int8
+        queue = [Case("tiny", "none", "none", 0, 0, "codec"), Case("tiny", "int8", "eager", 2, 0, "tau")]
+    else:  # the longest runs first (small), so that the short ones fill the end
+        queue = [
+            c
+            for preset in sorted(args.preset, key=lambda n: n != "small")
+            for c in plan(preset, settings[preset]["taus"], tau_rec, settings[preset]["seeds"])
+        ]
+    records: dict[tuple, dict[str, Any]] = {}
+    rec.data.update(complete=False, workers=WORKERS, presets=settings, cases=[])
     if args.resume and target.exists():
         old = json.loads(target.read_text())
-        same = {n for n, spec in old.get("presets", {}).items() if spec == rec.data["presets"].get(n)}
+        same = {n for n, spec in old.get("presets", {}).items() if spec == settings.get(n)}
         for r in old.get("cases", []):
-            case = Case(r["preset"], r["compression"], r["overlap"], r["lr"], r["seed"], r["role"])
+            case = Case(r["preset"], r["compression"], r["overlap"], r["tau"], r["seed"], r["role"])
             if r["preset"] in same and r["status"] in ("ok", "diverged"):
                 records[case.key()] = r
         queue = [c for c in queue if c.key() not in records]
-        planned |= set(records)
-        total = len(planned)
         print(f"compression_quality: resumed {len(records)} finished runs from {target}", flush=True)
+    total = len(queue) + len(records)
     started = time.monotonic()
     failed = 0
     attempts: dict[tuple, int] = {}
-    print(f"compression_quality: {total} runs planned so far, {args.jobs} at a time", flush=True)
+    print(f"compression_quality: {total} runs, {args.jobs} at a time", flush=True)
 
     def publish() -> None:
-        add_ratios(records, base_lrs)
+        add_ratios(records)
         rec.rows.clear()
         for r in records.values():
-            setting = f"compression {r['compression']}, overlap {r['overlap']}, outer lr {r['lr']:g}, seed {r['seed']}"
             rec.add(
-                figure=f"{r['preset']}: final eval loss, {setting} ({r['status']})",
+                figure=f"{r['preset']}: final eval loss, {setting(r['compression'], r['overlap'], r['tau'])}, "
+                f"seed {r['seed']} ({r['status']})",
                 value=r.get("final_eval_loss"),
                 unit="loss",
-                reference=f"blocking, compression none, outer lr {r['lr']:g}, seed {r['seed']}",
+                reference=f"blocking, compression none, seed {r['seed']}",
                 reference_value=r.get("reference_loss"),
                 ratio=r.get("ratio"),
                 ratio_kind="loss / reference: lower is better",
                 case=r["case"],
                 mb_sent_per_worker=r.get("mb_sent_per_worker"),
                 wall_seconds=r["wall_seconds"],
-                ratio_vs_default=r.get("ratio_vs_default"),
             )
         rec.data["cases"] = list(records.values())
         rec.write(target)
-
-    def plan_more() -> None:
-        """Once a preset's eager none runs of every lr are in: its recommended lr and the cases at it."""
-        nonlocal total
-        for preset in args.preset:
-            if preset in second_done:
-                continue
-            eager = [records.get((preset, "none", "eager", lr, 0)) for lr in lrs[preset]]
-            if any(e is None for e in eager):
-                continue
-            ok = [(e["final_eval_loss"], e["lr"]) for e in eager if e["final_eval_loss"] is not None]
-            rec_lrs[preset] = args.rec_lr if args.rec_lr is not None else (min(ok)[1] if ok else base_lrs[preset])
-            plan = plan_second(preset, base_lrs[preset], rec_lrs[preset], seeds[preset])
-            new = [c for c in plan if c.key() not in planned]
-            planned.update(c.key() for c in new)
-            queue[:0] = new  # ahead of the rest: a preset's later runs should not be the last to start
-            total += len(new)
-            second_done.add(preset)
-            print(
-                f"compression_quality: {preset}: recommended outer lr {rec_lrs[preset]:g} "
-                f"({'given' if args.rec_lr is not None else 'lowest eager none loss'}); {len(new)} runs added",
-                flush=True,
-            )
 
     with tempfile.TemporaryDirectory(prefix="bench_compq_") as tmp:
         runner = Runner(args.jobs, Path(tmp))
         try:
             while queue or runner.running:
-                plan_more()
                 while queue and len(runner.running) < args.jobs:
                     ready = next((c for c in queue if runner.fits(c)), None)
                     if ready is None:
@@ -483,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 records[case.key()] = r
                 if r["status"] in ("failed", "killed"):
                     failed += 1
-                add_ratios(records, base_lrs)
+                add_ratios(records)
                 print(
                     f"compression_quality: [{len(records)}/{total}] {case.name}: {r['status']}, final eval loss "
                     f"{fmt(r.get('final_eval_loss'), '.4f')} (x{fmt(r.get('ratio'), '.4f')} of blocking none), "
@@ -496,17 +444,15 @@ def main(argv: list[str] | None = None) -> int:
                 publish()
         finally:
             runner.kill_all()
-    if args.smoke:
-        rec_lrs["tiny"] = base_lrs["tiny"]
-    text = tables(records, base_lrs, rec_lrs)
+    text = tables(records, args.preset)
     rec.data["complete"] = True
     rec.data["tables_markdown"] = text
     rec.notes.append(
-        f"{WORKERS} workers, p2p_diloco.simulate --mode diloco, equal tokens within a preset; final eval loss on "
-        "data.eval_batches x data.batch_size rows per eval label (the preset overrides). ratio = final eval loss / "
-        "that of the blocking run without compression at the same outer lr and seed; ratio_vs_default: the same at "
-        "the preset's outer lr. MB = 10^6 bytes sent per worker in the whole run (the simulator's count of the "
-        "butterfly's payload with the case's codec). Wall seconds are this machine's, with --jobs runs side by side."
+        f"{WORKERS} workers, p2p_diloco.simulate --mode diloco, equal tokens within a preset, the preset's outer "
+        "optimizer; final eval loss on data.eval_batches x data.batch_size rows per eval label (the preset "
+        "overrides). ratio = final eval loss / that of the blocking run without compression of the same seed. MB = "
+        "10^6 bytes sent per worker in the whole run (the simulator's count of the butterfly's payload with the "
+        "case's codec). Wall seconds are this machine's, with --jobs runs side by side."
     )
     publish()
     path = rec.write(target)
