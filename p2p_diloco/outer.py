@@ -104,18 +104,20 @@ class OuterState:
         self.round += 1
 
     def ahead(
-        self, avg_delta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool = True
+        self, delta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool = True
     ) -> list[torch.Tensor]:
-        """The anchor that ``apply`` with these arguments would leave, as new tensors (op for op the same, so equal
-        to it bitwise); the state itself is not changed."""
-        _check_finite(avg_delta, "pseudo-gradient")
+        """The anchor an outer step with ``delta`` (already checked finite) would leave, as new tensors, without
+        changing the state: eager overlap's look-ahead. Nesterov: anchor - lr((1+m)Δ + m²·buf); heavy ball: anchor -
+        lr(Δ + m·buf) (``apply``'s step in closed form: one new tensor and two passes each, equal to it up to fp32
+        rounding)."""
+        scale = (1 + momentum) if nesterov else 1.0
+        on_buf = momentum * momentum if nesterov else momentum
         out = []
-        for a, buf, g in zip(self.anchor, self.momentum, avg_delta, strict=True):
-            g = g.to(torch.float32)
+        for a, buf, g in zip(self.anchor, self.momentum, delta, strict=True):
+            x = a.add(g.to(torch.float32), alpha=-lr * scale)
             if momentum != 0:
-                step = buf.mul(momentum).add_(g)
-                g = g.add(step, alpha=momentum) if nesterov else step
-            out.append(a.add(g, alpha=-lr))
+                x.add_(buf, alpha=-lr * on_buf)
+            out.append(x)
         return out
 
     def copy_to(self, params: Iterable[torch.Tensor]) -> None:

@@ -333,16 +333,17 @@ def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_o
     # by hand: round 1 blocking, the look-ahead, 2 steps from it, the outer step, the carry, 1 more step
     ref_delta = ref.contribute().pseudo_grad
     assert all(torch.equal(a, b) for a, b in zip(ref_delta, worker.pending.mine.pseudo_grad))
-    ahead = ref.state.copy()
-    ahead.apply(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)
-    assert all(torch.equal(x, p) for x, p in zip(ahead.anchor, _params(worker.model)))  # θ at the look-ahead
-    assert all(torch.equal(x, s) for x, s in zip(ahead.anchor, worker.start))
+    ahead = ref.state.ahead(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)
+    assert all(torch.equal(x, p) for x, p in zip(ahead, _params(worker.model)))  # θ at the look-ahead
+    assert all(torch.equal(x, s) for x, s in zip(ahead, worker.start))
     assert worker.state.round == 0  # the outer state itself did not move
-    ahead.copy_to(ref.model.parameters())
+    with torch.no_grad():
+        for p, x in zip(ref.model.parameters(), ahead):
+            p.copy_(x)
     ref.inner.run(ref.batches, 2, 3, ref.autocast, ref.device)
     expected = ref.state.copy()
     expected.apply(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)  # Δ̄ of a group of one
-    carried = [e + (p.detach() - x) for e, p, x in zip(expected.anchor, ref.model.parameters(), ahead.anchor)]
+    carried = [e + (p.detach() - x) for e, p, x in zip(expected.anchor, ref.model.parameters(), ahead)]
     with torch.no_grad():
         for p, c in zip(ref.model.parameters(), carried):
             p.copy_(c)

@@ -34,6 +34,23 @@ def test_outer_step_equals_torch_sgd(nesterov):
     assert state.round == 5
 
 
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.9, True), (0.9, False), (0.0, True)])
+def test_look_ahead_is_the_outer_step_without_taking_it(momentum, nesterov):
+    """``ahead`` (eager overlap's look-ahead) is the anchor ``apply`` would leave, to fp32 rounding, and changes
+    nothing; with momentum it sees the buffer of the steps before."""
+    state = _random_state()
+    g = torch.Generator().manual_seed(2)
+    state.apply([torch.randn(a.shape, generator=g) for a in state.anchor], 0.7, momentum, nesterov)
+    delta = [torch.randn(a.shape, generator=g) for a in state.anchor]
+    before = state.copy()
+    ahead = state.ahead(delta, 0.7, momentum, nesterov)
+    assert state.checksum() == before.checksum()
+    state.apply(delta, 0.7, momentum, nesterov)
+    for x, a in zip(ahead, state.anchor):
+        assert torch.allclose(x, a, rtol=0, atol=1e-6)
+    assert any(not torch.equal(x, b) for x, b in zip(ahead, before.anchor))
+
+
 def test_pseudo_gradient_sign_points_from_theta_to_anchor():
     state = _random_state()
     theta = [a - 0.25 for a in state.anchor]  # the worker moved every weight down by 0.25
