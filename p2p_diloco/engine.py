@@ -372,18 +372,21 @@ class Worker:
         in flight (eager), ``drain`` (settle it: ``Worker.drain`` with the round's rules) runs after
         ``swarm.overlap_steps`` of the steps, or after the last one if the round is shorter, so Δ and the payload's
         tag are of the state it leaves."""
-        self.tag()  # hashed now, while nobody waits for it (cached: the state is not hashed twice)
-        after = self.cfg.swarm.overlap_steps
+        after, drained = self.cfg.swarm.overlap_steps, 0.0
 
         def stepped(k: int, loss: float) -> None:
+            nonlocal drained
             if on_step is not None:
                 on_step(k, loss)
             if self.pending is not None:
                 self.pending.steps = k + 1
                 if k + 1 == after and drain is not None:
+                    began = time.perf_counter()
                     drain()
+                    drained += time.perf_counter() - began
 
         stats = self.train_inner(stepped if self.pending is not None else on_step)
+        stats.seconds -= drained  # compute only: the wait for the exchange and its settling are not inner steps
         if self.pending is not None:
             if drain is None:
                 self.reset_params()

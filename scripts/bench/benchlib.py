@@ -353,11 +353,15 @@ def run_overrides(h: int, rounds: int, peers: int, tag: str) -> list[str]:
     ]
 
 
-def window_start(records: list[dict[str, Any]]) -> float:
-    """Where the counted rounds (2..R) begin: when round 2's inner steps started. (With ``swarm.overlap`` eager a
-    round's record is written after the next round's inner steps, so the first record's time would cut one round
-    of compute out of the window; records without ``compute_started`` fall back to the first record's time.)"""
-    return float(records[1].get("compute_started") or records[0]["time"])
+def steady_rounds(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
+    """The rounds to count and their wall time: rounds 2..R-1, from when round 2's inner steps started to when round
+    R's did, so that every counted round holds its whole period (its inner steps and all until the next round's
+    begin: the exchange without overlap; with ``swarm.overlap`` eager the wait for the round before, its settling
+    and the send), the start-up in round 1 and the last exchange, which nothing follows to hide it, are left out.
+    Records without ``compute_started``, or fewer than 3: rounds 2..R, up to the last record's time."""
+    if len(records) >= 3 and all(r.get("compute_started") for r in records[1:]):
+        return records[1:-1], float(records[-1]["compute_started"]) - float(records[1]["compute_started"])
+    return records[1:], float(records[-1]["time"]) - float(records[1].get("compute_started") or records[0]["time"])
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

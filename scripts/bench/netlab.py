@@ -17,9 +17,11 @@ The preset's own swarm settings apply (group size, matchmaking time, timeouts); 
 rounds, one data shard per peer, no evaluation or checkpoints, no lingering, a fresh run id, start-up
 timeouts, and ``swarm.start_peers = peers`` so round 1 starts once every peer is up.
 
-From each peer's metrics.jsonl, over the rounds after the first (the first one absorbs the start-up):
-    compute s per round   = mean compute_seconds
-    round wall s          = (time of the last record - time of the first record) / rounds counted
+From each peer's metrics.jsonl, over rounds 2..R-1 (``benchlib.steady_rounds``: the first one absorbs the start-up,
+the last one's exchange has nothing to overlap with; each round's period runs from its inner steps' start to the
+next round's; with 2 rounds, round 2 up to its record):
+    compute s per round   = mean compute_seconds (inner steps only)
+    round wall s          = (start of round R's inner steps - start of round 2's) / rounds counted
     exposed comm s        = round wall - compute (matchmaking + all-reduce + the rest of the round's work)
     utilisation           = sum(compute_seconds) / (time of the last record - time of the first record)
     sent per round        = mean bytes_sent (payload the averager handed to p2pd)
@@ -61,7 +63,7 @@ from benchlib import (  # noqa: E402
     read_jsonl,
     run_overrides,
     single_thread_env,
-    window_start,
+    steady_rounds,
 )
 from netns import Lab, LabError, unavailable  # noqa: E402
 
@@ -79,7 +81,7 @@ DEFAULTS: dict[str, Any] = {
     "rate": [20.0, 100.0, 500.0],
     "setting": DEFAULT_SETTINGS,
     "h": 100,
-    "rounds": 3,
+    "rounds": 4,
     "peers": 3,
     "timeout": 900.0,
     "calibrate_seconds": 1.5,
@@ -121,12 +123,11 @@ def config_problem(config: str, overrides: list[str]) -> str:
 
 
 def analyse(records: list[dict[str, Any]], rate_mbit: float) -> dict[str, Any] | None:
-    """One peer's figures over rounds 2..R of its metrics.jsonl (None with fewer than 2 rounds on record)."""
+    """One peer's figures over ``steady_rounds`` of its metrics.jsonl (None with fewer than 2 rounds on record)."""
     if len(records) < 2:
         return None
-    later = records[1:]
+    later, wall = steady_rounds(records)
     n = len(later)
-    wall = records[-1]["time"] - window_start(records)
     compute = sum(r["compute_seconds"] for r in later)
     mm = sum(r["matchmaking_seconds"] for r in later)
     ar = sum(r["allreduce_seconds"] for r in later)
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         "swarm.compression in none/fp16/bf16/int8 x swarm.overlap in none/eager)",
     )
     p.add_argument("--h", type=int, default=None, help="inner steps per round (100)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds per run, the first not counted (3)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per run: 2..R-1 counted (4)")
     p.add_argument("--peers", type=int, default=None, help="run_peer processes, one per home namespace (3)")
     p.add_argument("--timeout", type=float, default=None, help="seconds allowed per swarm run (900)")
     p.add_argument("--calibrate-seconds", type=float, default=None, help="length of the link calibration (1.5)")

@@ -10,12 +10,15 @@ each) with the preset's own swarm settings (``target_group_size`` 16 or 32: the 
 live peers are in, as a volunteer's would; ``swarm.start_peers = peers`` only holds round 1, which is not
 counted, until all are up; no evaluation or checkpoints, so only the round's own work counts). ``--set
 swarm.compression=int8 --set swarm.overlap=eager`` measures those settings. From each peer's metrics.jsonl, over
-the rounds after the first (the first one also absorbs the peers' staggered start-up):
-    utilisation (wall)   = sum(compute_seconds) / (time of the last record - time of the first record)
+rounds 2..R-1 (``benchlib.steady_rounds``: the first one also absorbs the peers' staggered start-up, and the last
+one's exchange has nothing to overlap with), each round's period running from its inner steps' start to the next
+round's:
+    utilisation (wall)   = sum(compute_seconds) / (start of round R's inner steps - start of round 2's)
     utilisation (rounds) = sum(compute_seconds) / sum(round_seconds)
 The wall figure is the stricter one (it also counts publishing the per-round record in the DHT), and the
 table shows it, averaged over peers, with the per-round breakdown (compute, matchmaking = waiting for the
-group, all-reduce, the rest). A run of a single round (the default for small at H=500, whose round takes
+group, all-reduce, the rest). compute_seconds is inner steps only: with eager overlap, the wait for the exchange
+at ``swarm.overlap_steps`` and its settling are left out of it (engine.Worker.contribute). A run of a single round (the default for small at H=500, whose round takes
 minutes on CPU) gives that round's compute_seconds / round_seconds and is labelled so: it includes waiting
 for the other peers' start-up. Peers run with one torch thread each: ``peers`` processes share this
 machine's cores, so compute is slower than on a dedicated core and the figures are what this machine gives.
@@ -43,15 +46,15 @@ from benchlib import (  # noqa: E402
     read_jsonl,
     run_overrides,
     start_swarm,
-    window_start,
+    steady_rounds,
 )
 
-# name:config[:k=v,k=v]; rounds per H (the first round is not counted when there are 2 or more)
+# name:config[:k=v,k=v]; rounds per H (rounds 2..R-1 are counted when there are 3 or more)
 DEFAULT_CASES = [
     "tiny:configs/tiny.yaml",
     "small:configs/small.yaml:data.batch_size=1,data.seq_len=32",
 ]
-DEFAULT_ROUNDS = {"tiny": {10: 4, 100: 3, 500: 2}, "small": {10: 3, 100: 2, 500: 1}}
+DEFAULT_ROUNDS = {"tiny": {10: 5, 100: 4, 500: 3}, "small": {10: 4, 100: 3, 500: 1}}
 DEFAULTS: dict[str, Any] = {"case": DEFAULT_CASES, "h": [10, 100, 500], "peers": 3, "timeout": 600.0}
 SMOKE: dict[str, Any] = {
     "case": ["tiny:configs/tiny.yaml:data.batch_size=2,data.seq_len=32"],
@@ -72,17 +75,18 @@ def swarm_overrides(h: int, rounds: int, peers: int) -> list[str]:
 def analyse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Utilisation of one peer from its metrics.jsonl records.
 
-    With 2+ rounds: over rounds 2..R (wall between the first and the last record, and summed round_seconds).
+    With 2+ rounds: over ``steady_rounds`` (rounds 2..R-1 with their whole periods; 2 rounds: round 2 up to its
+    record), and summed round_seconds.
     With 1 round: that round's compute_seconds / round_seconds (``first_round_only``: it includes waiting
     for the other peers' start-up).
     """
     if not records:
         return None
     first_only = len(records) < 2
-    later = records if first_only else records[1:]
+    later, wall = (records, 0.0) if first_only else steady_rounds(records)
     compute = sum(r["compute_seconds"] for r in later)
     rounds = sum(r["round_seconds"] for r in later)
-    wall = rounds if first_only else records[-1]["time"] - window_start(records)
+    wall = rounds if first_only else wall
     mm = sum(r["matchmaking_seconds"] for r in later)
     ar = sum(r["allreduce_seconds"] for r in later)
     waited = sum(r.get("comm_wait_seconds", r["matchmaking_seconds"] + r["allreduce_seconds"]) for r in later)
