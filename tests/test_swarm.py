@@ -264,8 +264,11 @@ def test_fixed_h_fast_peers_do_not_wait_for_a_straggler_whose_delayed_delta_stil
 @pytest.mark.timeout(240)
 def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path):
     # the late joiner may still resync from the others after they finished: they linger for it. Groups form as soon
-    # as the live peers are in (a round takes ~0.5 s), so the run is long enough for the joiner's start-up.
+    # as the live peers are in (a round takes ~0.5 s), so the run is long enough for the joiner's start-up. Eager
+    # overlap: the donors serve and vouch for their replicated state while an exchange is in flight, and the
+    # joiner's first exchange goes out while nothing is in flight yet.
     sets = ["train.rounds=30", "swarm.target_group_size=3", "swarm.linger_seconds=10"]
+    sets += ["swarm.overlap=eager", "swarm.overlap_steps=2"]
     first = start_peer(spawn, [], tmp_path / "a", *sets)
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
     second = start_peer(spawn, initial.split(), tmp_path / "b", *sets)
@@ -417,7 +420,10 @@ def test_bad_initial_peers_fail_fast_with_a_message(spawn, tmp_path, initial, co
 
 @pytest.mark.timeout(180)
 def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tmp_path):
+    """With eager overlap: the stop finds an exchange in flight (or one settled mid-round), settles it, checkpoints
+    and exits 0; the resumed run applies every round once."""
     solo = ["train.rounds=5", "swarm.matchmaking_time=1", "swarm.request_timeout=0.5", "swarm.linger_seconds=0"]
+    solo += ["swarm.overlap=eager", "swarm.overlap_steps=2"]
     peer = start_peer(spawn, [], tmp_path / "p", *solo)
     peer.wait_for_line(r"^round 2/5 ", timeout=120)
     os.killpg(peer.pgid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
