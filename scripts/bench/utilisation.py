@@ -3,6 +3,7 @@
 Usage:
     python scripts/bench/utilisation.py                          # tiny and small, H in {10, 100, 500}
     python scripts/bench/utilisation.py --case tiny:configs/tiny.yaml --h 100 --rounds 3 --peers 3
+    python scripts/bench/utilisation.py --h 100 --setting '' --setting swarm.overlap=eager,swarm.overlap_steps=5
     python scripts/bench/utilisation.py --smoke [--out DIR/utilisation.json]   # 2 tiny peers, H=2, 2 rounds
 
 Each case starts a bootstrap node and ``--peers`` real ``run_peer`` processes on 127.0.0.1 (one data shard
@@ -35,6 +36,7 @@ import argparse
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +57,14 @@ DEFAULT_CASES = [
     "small:configs/small.yaml:data.batch_size=1,data.seq_len=32",
 ]
 DEFAULT_ROUNDS = {"tiny": {10: 5, 100: 4, 500: 3}, "small": {10: 4, 100: 3, 500: 1}}
-DEFAULTS: dict[str, Any] = {"case": DEFAULT_CASES, "h": [10, 100, 500], "peers": 3, "timeout": 600.0}
+DEFAULTS: dict[str, Any] = {"case": DEFAULT_CASES, "h": [10, 100, 500], "peers": 3, "timeout": 600.0, "setting": [""]}
 SMOKE: dict[str, Any] = {
     "case": ["tiny:configs/tiny.yaml:data.batch_size=2,data.seq_len=32"],
     "h": [2],
     "rounds": 2,
     "peers": 2,
     "timeout": 120.0,
+    "setting": [""],
 }
 
 
@@ -127,7 +130,8 @@ def protocol_matchmaking(stats: list[dict[str, Any]]) -> float | None:
 def run_case(
     name: str, config: str, sets: list[str], h: int, rounds: int, peers: int, timeout: float, workdir: Path
 ) -> dict[str, Any]:
-    dirs = [workdir / f"{name}_h{h}_peer{k}" for k in range(peers)]
+    run = uuid.uuid4().hex[:6]  # several settings of one case and H run one after the other
+    dirs = [workdir / f"{name}_h{h}_{run}_peer{k}" for k in range(peers)]
     overrides = [*sets, *swarm_overrides(h, rounds, peers)]
     per_peer = [[f"data.shard_index={k}"] for k in range(peers)]
     t0 = time.monotonic()
@@ -196,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", type=int, default=None, help="run_peer processes per swarm (3)")
     p.add_argument("--timeout", type=float, default=None, help="seconds allowed per swarm run (600)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="extra overrides for every peer")
+    p.add_argument(
+        "--setting",
+        action="append",
+        default=None,
+        help="k=v,k=v overrides measured as one more case of every --case and H (repeatable; '' = none)",
+    )
     p.add_argument("--item", default="utilisation", help="result name (results/<item>.json)")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/<item>.json)")
     p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
@@ -204,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(args.item, vars(args), smoke=args.smoke)
     cases = []
     with tempfile.TemporaryDirectory(prefix="bench_util_") as tmp:
-        for spec in args.case:
+        for spec, setting in ((c, s) for s in args.setting for c in args.case):
             name, config, *rest = spec.split(":")
             sets = [s for s in (rest[0].split(",") if rest else []) if s] + list(args.overrides)
+            sets += [s for s in setting.split(",") if s]
             for h in args.h:
                 rounds = args.rounds or DEFAULT_ROUNDS.get(name, {}).get(h, 2)
                 print(f"utilisation: {name} H={h}, {rounds} rounds, {args.peers} peers", flush=True)
