@@ -155,6 +155,7 @@ class SwarmConfig:
     # big models): BENCHMARKS.md item 7 and docs/compression.md.
     overlap: str = "none"
     overlap_steps: int = 5  # eager: inner steps of the next round before the group's Δ̄ is applied (waits there)
+    overlap_carry: float = 0.5  # eager: the share of those steps' displacement carried onto the settled state
     record_ttl: float = 120.0  # seconds a peer's DHT record stays fresh
     start_peers: int = 1  # wait (up to join_timeout) until this many peers of the run are up before round 1
     linger_seconds: float = 10.0  # after the last round, keep serving the state to peers that still resync
@@ -320,6 +321,7 @@ def _check_ranges(cfg: Config) -> None:
     need(0 <= s.max_staleness <= 8, "swarm.max_staleness", s.max_staleness, "in [0, 8] rounds")
     need(0 <= s.staleness_decay <= 8, "swarm.staleness_decay", s.staleness_decay, "in [0, 8]")
     need(s.overlap_steps >= 1, "swarm.overlap_steps", s.overlap_steps, ">= 1 inner steps")
+    need(0 <= s.overlap_carry <= 1, "swarm.overlap_carry", s.overlap_carry, "in [0, 1]")
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
     need(

@@ -17,11 +17,14 @@ eager: the exchange of round t runs in the background while round t+1's inner st
 look-ahead x̂_t, the outer step taken with this peer's own Δ in place of the group's (outer lr and momentum as the
 real one), on a copy: the replicated state is not touched. After ``swarm.overlap_steps`` of them (or at the end of a
 shorter round) ``drain`` waits for the group's Δ̄, settles it (the replicated outer state moves exactly as without
-overlap: x_t = outer_step(x_{t-1}, Δ̄)) and corrects θ: θ ← x_t + (θ - x̂_t), the steps taken so far carried over
-from the look-ahead onto the real state. The round's Δ is then x_t - θ at its end, as without overlap: all of its
-inner steps, measured from the state it is tagged with. With the exchange done within those τ steps nothing waits;
-the price is that τ steps of each round run from x̂_t, not x_t (Streaming DiLoCo overlaps τ steps the same way,
-arXiv 2501.18512; measured in docs/compression.md). With τ = 0 it would be the blocking round, bitwise.
+overlap: x_t = outer_step(x_{t-1}, Δ̄)) and corrects θ: θ ← x_t + c (θ - x̂_t), the steps taken so far carried over
+from the look-ahead onto the real state, scaled by c = ``swarm.overlap_carry`` (they were taken from a point about
+one outer step off: one's own Δ differs from the group's mean by about the mean's own size, and half of their
+displacement lost less than all of it in docs/compression.md). The round's Δ is then x_t - θ at its end, as
+without overlap: all of its inner steps, measured from the state it is tagged with. With the exchange done within
+those τ steps nothing waits; the price is that τ steps of each round run from x̂_t, not x_t (Streaming DiLoCo
+overlaps τ steps and mixes the same way, arXiv 2501.18512). With τ = 0, or with the group's Δ̄ for the look-ahead,
+it would be the blocking round.
 ``launch`` sends Δ, tagged with the state it was measured from (the one its Δ̄ is applied to). The outer state, its
 checksum, the vote, catch-up, resync and checkpoints see only the replicated state, so they work as without
 overlap; a download (``load_state``) while an exchange is in flight keeps the steps since the send on top of the
@@ -495,12 +498,12 @@ class Worker:
         self, rules: RoundRules, sync: SharedState | None = None, eval_sets: dict[str, torch.Tensor] | None = None
     ) -> RoundResult | None:
         """Eager: wait for the exchange in flight and settle it (the outer state moves by the group's Δ̄, or as
-        ``decide`` says), then carry the inner steps taken since onto the outer state settled: θ ← anchor + (θ -
-        look-ahead). None when there is none or it changed nothing."""
+        ``decide`` says), then carry the inner steps taken since onto the outer state settled: θ ← anchor + c (θ -
+        look-ahead), c = ``swarm.overlap_carry``. None when there is none or it changed nothing."""
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
-        params = list(self.model.parameters())
+        params, carry = list(self.model.parameters()), self.cfg.swarm.overlap_carry
         with torch.no_grad():  # θ - look-ahead, into the look-ahead's buffers
             drift = [
                 torch.sub(p.detach().to("cpu", torch.float32), s, out=s)
@@ -527,7 +530,7 @@ class Worker:
             self.state.copy_to(params)
             with torch.no_grad():
                 for p, d in zip(params, drift, strict=True):
-                    p.add_(d.to(p.device))
+                    p.add_(d.to(p.device), alpha=carry)
         return result
 
     def _hint(self, pending: Pending, started: float, waited: float) -> None:

@@ -322,9 +322,11 @@ def _params(model):
 def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_onto_the_new_state():
     """swarm.overlap eager, H 3, overlap_steps 2: round 1's Δ is sent and round 2's steps start from the look-ahead
     (the outer step with the own Δ, on a copy); after 2 of them the group's Δ̄ moves the outer state exactly as
-    without overlap, and θ becomes the new anchor plus those 2 steps' displacement; round 2's Δ is then anchor - θ.
+    without overlap, and θ becomes the new anchor plus overlap_carry (0.25) x those 2 steps' displacement; round 2's
+    Δ is then anchor - θ.
     A worker doing the same by hand, step for step, ends bitwise equal."""
-    cfg = load_config(TINY, ["inner.steps=3", "train.rounds=3", "swarm.overlap=eager", "swarm.overlap_steps=2", *FAST])
+    eager = ["swarm.overlap=eager", "swarm.overlap_steps=2", "swarm.overlap_carry=0.25"]
+    cfg = load_config(TINY, ["inner.steps=3", "train.rounds=3", *eager, *FAST])
     worker, ref = Worker(cfg, 257, _batches(2)), Worker(cfg, 257, _batches(2))
     seed_tag = worker.tag()
     assert worker.run_round(_SelfReducer(), RoundRules()) is None  # its exchange is in flight
@@ -343,7 +345,7 @@ def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_o
     ref.inner.run(ref.batches, 2, 3, ref.autocast, ref.device)
     expected = ref.state.copy()
     expected.apply(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)  # Δ̄ of a group of one
-    carried = [e + (p.detach() - x) for e, p, x in zip(expected.anchor, ref.model.parameters(), ahead)]
+    carried = [e + 0.25 * (p.detach() - x) for e, p, x in zip(expected.anchor, ref.model.parameters(), ahead)]
     with torch.no_grad():
         for p, c in zip(ref.model.parameters(), carried):
             p.copy_(c)
@@ -362,14 +364,17 @@ def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_o
 
 
 def test_eager_with_one_worker_and_plain_outer_sgd_is_plain_adamw():
-    """Invariant 1 holds with overlap too: one worker, outer lr 1, no momentum: the look-ahead is θ itself and the
-    correction is zero, so R rounds of H steps are R x H steps of AdamW, whatever overlap_steps is (to fp32
-    rounding: the look-ahead is anchor - (anchor - θ), not θ's own bits)."""
+    """Invariant 1 holds with overlap too: one worker, outer lr 1, no momentum, all carried (overlap_carry 1): the
+    look-ahead is θ itself and the correction is zero, so R rounds of H steps are R x H steps of AdamW, whatever
+    overlap_steps is (to fp32 rounding: the look-ahead is anchor - (anchor - θ), not θ's own bits)."""
     over = ["outer.lr=1.0", "outer.momentum=0.0", "outer.lr_warmup_rounds=0", "inner.steps=4", "train.rounds=3"]
     plain = Worker(load_config(TINY, [*FAST, *over]), 257, _batches(5))
     for _ in range(3):
         plain.run_round(_SelfReducer(), RoundRules())
-    eager = Worker(load_config(TINY, [*FAST, *over, "swarm.overlap=eager", "swarm.overlap_steps=3"]), 257, _batches(5))
+    eager_cfg = load_config(
+        TINY, [*FAST, *over, "swarm.overlap=eager", "swarm.overlap_steps=3", "swarm.overlap_carry=1"]
+    )
+    eager = Worker(eager_cfg, 257, _batches(5))
     for _ in range(3):
         eager.run_round(_SelfReducer(), RoundRules())
     eager.drain(RoundRules())
