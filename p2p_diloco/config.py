@@ -145,17 +145,24 @@ class SwarmConfig:
     part_size_bytes: int = 2 * 1024 * 1024  # of fp32 values: each part holds part_size_bytes / 4 values, any codec
     # How Δ and the group's mean travel (p2p_diloco/codec.py): none (fp32) | fp16 | bf16 | int8 (blockwise absmax,
     # 128 values per fp32 scale, 1.03 bytes a value); reducers sum in fp32. Part of the fingerprint. int8 by default:
-    # at equal tokens its final eval loss was within 0.4% of fp32 (tiny, 3 seeds: -0.4%, +0.1%, +0.3%; small +0.25%)
-    # for 3.88x fewer bytes (docs/compression.md); fp16/bf16 halve the bytes at the same quality.
+    # at equal tokens its final eval loss was 0.998 of fp32's (tiny H 100, 3 seeds: 0.996, 0.992, 1.005; small 2
+    # seeds: 1.000, 0.997) for 3.88x fewer bytes (docs/compression.md); fp16/bf16 halve the bytes at the same quality.
     compression: str = "int8"
-    # none: the peer waits for the round's all-reduce | eager: the all-reduce runs while the next round's inner
-    # steps do, from the outer state with this peer's own Δ applied at once, corrected with the group's Δ̄ when it
-    # arrives (engine.py). none by default: eager cost 3-6% final eval loss at equal tokens (tiny, 3 seeds, every
-    # outer lr tried; small +3%), so it pays only where waiting for the exchange costs more than that (slow links,
-    # big models): BENCHMARKS.md item 7 and docs/compression.md.
+    # none: the peer waits for the round's all-reduce | eager: it sends Δ and goes on at once from the look-ahead
+    # (the outer step with its own Δ, on a copy); after overlap_steps inner steps it settles the group's Δ̄ exactly
+    # as a blocking round (waiting there if the exchange is not done) and carries overlap_carry of those steps'
+    # displacement onto the settled state (engine.py). none by default: at equal tokens eager (int8, τ 5, carry 0.5)
+    # ended at 1.0074 (tiny, 3 seeds) and 1.0080 (small, 2 seeds) of blocking's loss, up to 1.018 in one seed
+    # (docs/compression.md); turn it on where the exchange takes more than ~1% of a round (home links, big models,
+    # short rounds: BENCHMARKS.md items 3 and 7). Not part of the fingerprint: the replicated state moves the same.
     overlap: str = "none"
-    overlap_steps: int = 5  # eager: inner steps of the next round before the group's Δ̄ is applied (waits there)
-    overlap_carry: float = 0.5  # eager: the share of those steps' displacement carried onto the settled state
+    # eager: inner steps of the next round before the group's Δ̄ is settled: the time the exchange has. The smallest
+    # that hides it is best (each costs a little quality); a peer that waited logs the value that would have hidden
+    # it. 5: at 100 Mbit/s small's int8 exchange among 3 peers took 10-15 of its CPU steps, tiny's fewer than 5.
+    overlap_steps: int = 5
+    # eager: the share of those steps' displacement kept when θ moves onto the settled state (they ran from the
+    # look-ahead, about one outer step off): 0.5 lost less than 1 or 0 (7 of 9 pairs, docs/compression.md).
+    overlap_carry: float = 0.5
     record_ttl: float = 120.0  # seconds a peer's DHT record stays fresh
     start_peers: int = 1  # wait (up to join_timeout) until this many peers of the run are up before round 1
     linger_seconds: float = 10.0  # after the last round, keep serving the state to peers that still resync

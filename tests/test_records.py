@@ -4,12 +4,14 @@ unparsed is counted. (tests/test_validators.py: the validators themselves, stran
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from p2p_diloco.swarm import dht as dht_module
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht, visible_maddrs, wait_for_peers
 from p2p_diloco.swarm.identity import owner_of, peer_id_of
 from p2p_diloco.swarm.records import (
@@ -88,7 +90,8 @@ def test_parse_records_counts_garbage():
 
 @pytest.mark.swarm
 @pytest.mark.timeout(60)
-def test_records_signed_validated_and_read_back():
+def test_records_signed_validated_and_read_back(caplog, monkeypatch):
+    monkeypatch.setattr(dht_module, "_warned", set())  # warnings are once per kind and process: start afresh
     before = {pid for pid, _, _ in descendants(os.getpid())}
     validators_a, validators_b = make_validators(RUN), make_validators(RUN)
     key_a, key_b = validators_a[0].local_public_key, validators_b[0].local_public_key
@@ -110,6 +113,21 @@ def test_records_signed_validated_and_read_back():
             assert records[peer_a] == rec_a
             assert records[peer_b].eval_loss == 3.0 and records[peer_b].train_loss != records[peer_b].train_loss
 
+        # a training peer does not wait for the store (wait=False): it lands all the same, and a refused one is
+        # warned about from the DHT's callback thread
+        later = record(peer_a, step=7)
+        assert publish_record(a, RUN, later, ttl=60, public_key=key_a, wait=False)
+        deadline = time.monotonic() + 15
+        while read_records(b, RUN, timeout=15)[0][peer_a].outer_step != 7:
+            assert time.monotonic() < deadline, "the record stored in the background never arrived"
+            time.sleep(0.2)
+        with caplog.at_level(logging.WARNING, logger="p2p_diloco.dht"):
+            assert publish_record(b, RUN, record(peer_a, step=98), ttl=60, public_key=key_a, wait=False)
+            deadline = time.monotonic() + 15
+            while "publishing the round record" not in caplog.text:
+                assert time.monotonic() < deadline, "no warning for a refused background store"
+                time.sleep(0.2)
+
         # b cannot write a's subkey (it cannot sign for a's key), nor report under a's id, nor break the schema
         assert not publish_record(b, RUN, record(peer_a, step=99), ttl=60, public_key=key_a)
         assert not publish_record(b, RUN, record(peer_a, step=99), ttl=60, public_key=key_b)
@@ -126,7 +144,7 @@ def test_records_signed_validated_and_read_back():
         c.store(metrics_key(RUN), {"garbage": True}, expires, subkey=key_a)
         for reader in (a, b):
             records, bad = read_records(reader, RUN, timeout=15)
-            assert set(records) == {peer_a, peer_b} and records[peer_a] == rec_a
+            assert set(records) == {peer_a, peer_b} and records[peer_a] == later
             assert bad == 0
 
         # a monitor: client mode, its own validators, reads everything and writes nothing

@@ -44,6 +44,7 @@ __all__ = [
     "add_initial_peers_argument",
     "bounded",
     "children_ignore_sigint",
+    "in_background",
     "ENV_INITIAL_PEERS",
     "EXAMPLE_MADDR",
     "DEFAULT_HOST_MADDRS",
@@ -454,6 +455,32 @@ def bounded(call: Callable[[], Any], timeout: float, what: str, default: T) -> A
     except Exception as exc:  # noqa: BLE001 - a dead DHT pipe, an error inside the lookup: no answer
         _warn_once(what, f"the DHT failed ({type(exc).__name__}: {exc}): treated as no answer")
     return default
+
+
+def in_background(call: Callable[[], Any], what: str) -> None:
+    """``call()`` returns a DHT future (``return_future=True``); do not wait for it. A failure or a store no node took
+    is warned about as ``bounded`` does (the first of each ``what``), from the DHT's callback thread. The future is
+    held until it is done: hivemind drops the answer to a future nobody references any more (its callbacks too)."""
+
+    def done(future: Any) -> None:
+        _held.discard(future)
+        try:
+            if future.cancelled():
+                return
+            if future.result() is False:
+                _warn_once(what, "no DHT node took it: treated as no answer")
+        except Exception as exc:  # noqa: BLE001 - a dead DHT pipe, an error inside the store: no answer
+            _warn_once(what, f"the DHT failed ({type(exc).__name__}: {exc}): treated as no answer")
+
+    try:
+        future = call()
+        _held.add(future)
+        future.add_done_callback(done)
+    except Exception as exc:  # noqa: BLE001 - a dead DHT pipe: no answer
+        _warn_once(what, f"the DHT failed ({type(exc).__name__}: {exc}): treated as no answer")
+
+
+_held: set[Any] = set()  # the futures in_background has not seen answered yet
 
 
 def _warn_once(what: str, message: str) -> None:

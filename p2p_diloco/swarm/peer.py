@@ -63,6 +63,32 @@ __all__ = ["PeerOptions", "RoundsFailing", "StopRequested", "TrainingPeer"]
 log = logging.getLogger("p2p_diloco.peer")
 
 
+class _Pace:
+    """Seconds per inner step in this round, from the gaps between steps, leaving out the gap in which an eager
+    exchange was settled (its wait is not a step)."""
+
+    def __init__(self, in_flight: int) -> None:
+        self.last, self.in_flight = time.monotonic(), in_flight
+        self.total, self.count, self.announced = 0.0, 0, False
+
+    def step(self, in_flight: int) -> None:
+        now = time.monotonic()
+        if in_flight == self.in_flight:
+            self.total, self.count = self.total + now - self.last, self.count + 1
+        self.last, self.in_flight = now, in_flight
+
+    @property
+    def measured(self) -> bool:
+        return self.count > 0
+
+    def seconds(self, last_round: float | None) -> float:
+        """This round's pace; the last full round's while this one has fewer than 2 steps (a throttled or shared
+        machine's first step says little)."""
+        if last_round is not None and self.count < 2:
+            return last_round
+        return self.total / self.count if self.count else (last_round or 0.0)
+
+
 class TrainingPeer:
     """One training peer: ``run()`` joins, trains until ``train.rounds`` or a stop request, and cleans up."""
 
@@ -226,14 +252,20 @@ class TrainingPeer:
         worker = self.worker
         round = worker.state.round + worker.in_flight + 1  # the round whose inner steps run now
         progress, close = self.reporter.progress(round, worker.device)
-        began, steps = time.time(), self.cfg.inner.steps
+        steps = self.cfg.inner.steps
+        pace = _Pace(worker.in_flight)
 
         def on_step(k: int, loss: float) -> None:
             progress(k, loss)
-            if k in (0, steps // 2):  # when our inner steps will end: who the others wait for (join.py)
-                self._announce_ready(k + 1, began)
-            if k == steps - 1:
-                self._step_seconds = (time.time() - began) / steps
+            pace.step(worker.in_flight)
+            # when our inner steps will end: who the others wait for (join.py). Not while our last exchange is in
+            # flight (swarm.overlap eager): we are looking for a group now, as our last announcement says; the
+            # first step after it is settled announces instead.
+            if not worker.in_flight and (not pace.announced or k == steps // 2):
+                self._announce_ready(k + 1, pace.seconds(self._step_seconds))
+                pace.announced = True
+            if k == steps - 1 and pace.measured:
+                self._step_seconds = pace.seconds(None)
             if self.opts.stop.is_set():
                 raise StopRequested
 
@@ -246,20 +278,17 @@ class TrainingPeer:
         finally:
             close()
 
-    def _announce_ready(self, done: int, began: float) -> None:
+    def _announce_ready(self, done: int, pace: float) -> None:
         """Announce when this round's inner steps will end (DHT time, which is the wall clock): the round's end under
-        inner.round_seconds; else at the last full round's pace (a throttled or shared machine's first steps say
-        little), or this round's so far. Mates ready up to half a round later are waited for (join.py), and at least
-        half of swarm.matchmaking_time (peers of equal speed on a loaded machine end their rounds seconds apart; one
-        a few seconds late would otherwise miss the group and arrive a round behind); one 2x slower or more is not."""
+        inner.round_seconds; else ``pace`` seconds a step from now on. Mates ready up to half a round later are
+        waited for (join.py), and at least half of swarm.matchmaking_time (peers of equal speed on a loaded machine
+        end their rounds seconds apart; one a few seconds late would otherwise miss the group and arrive a round
+        behind); one 2x slower or more is not."""
         now, steps, wait = time.time(), self.cfg.inner.steps, 0.5 * self.cfg.swarm.matchmaking_time
         if self.cfg.inner.round_seconds > 0:
             self.members.expect_ready(self.worker.round_ends_at, 0.2 * self.cfg.inner.round_seconds)
             return
-        pace = (now - began) / done if self._step_seconds is None or done > 1 else self._step_seconds
-        self.members.expect_ready(
-            began + pace * steps if done == 1 else now + pace * (steps - done), max(0.5 * pace * steps, wait)
-        )
+        self.members.expect_ready(now + pace * (steps - done), max(0.5 * pace * steps, wait))
 
     def run(self) -> int:
         """Train until train.rounds or a stop request; always leaves no process behind. Exit code 0 (RoundsFailing
@@ -301,7 +330,7 @@ class TrainingPeer:
         if result is None:
             return
         self.reporter.report(result, time.perf_counter() - started)
-        self.members.announce(self.sync.tag())
+        self.members.announce(self.sync.tag(), wait=False)  # stored while the next round trains
         every = self.cfg.train.checkpoint_every
         if every and result.outer_step % every == 0:
             self._checkpoint()

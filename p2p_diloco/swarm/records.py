@@ -47,7 +47,7 @@ import pydantic.v1 as pydantic_v1
 from hivemind.dht import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.swarm.dht import bounded
+from p2p_diloco.swarm.dht import bounded, in_background
 from p2p_diloco.swarm.identity import signer_of
 
 __all__ = [
@@ -121,10 +121,17 @@ def metrics_key(run_id: str) -> str:
 
 
 def publish_record(
-    dht: DHT, run_id: str, record: PeerRecord, ttl: float, public_key: bytes, timeout: float = 10.0
+    dht: DHT,
+    run_id: str,
+    record: PeerRecord,
+    ttl: float,
+    public_key: bytes,
+    timeout: float = 10.0,
+    wait: bool = True,
 ) -> bool:
     """Store ``record`` under this peer's subkey for ``ttl`` seconds; True if at least one node took it within
-    ``timeout`` seconds.
+    ``timeout`` seconds. ``wait=False`` hands it to the DHT process and returns True at once (a training peer: the
+    store is not the round's work); a failure is then warned about from the DHT's callback thread.
 
     Never raises for DHT trouble (metrics must not stop training): a dead DHT pipe, an error or no answer in time
     is a warning (the first of its kind; dht.bounded) and False.
@@ -134,6 +141,9 @@ def publish_record(
         expires = get_dht_time() + ttl
         return dht.store(metrics_key(run_id), record.model_dump(), expires, subkey=public_key, return_future=True)
 
+    if not wait:
+        in_background(store, "publishing the round record")
+        return True
     return bool(bounded(store, timeout, "publishing the round record", False))
 
 

@@ -86,6 +86,7 @@ class Reporter:
             self.cfg.swarm.record_ttl,
             self.public_key,
             timeout=self.cfg.swarm.dht_timeout,
+            wait=False,  # the DHT process stores it while the next round trains
         )
         r = result.reduce
         evl = f"  eval {record['eval_loss']:.4f}" if record.get("eval_loss") is not None else ""
