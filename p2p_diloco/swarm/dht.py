@@ -260,6 +260,7 @@ def shutdown_dht(dht: DHT, timeout: float = 5.0, graceful: bool = True) -> None:
     pid = dht.pid
     tree = _descendants(pid) if pid is not None else []
     if graceful:
+        _settle_background(timeout)  # the last round's record and announcement, still on their way
         try:
             dht.shutdown_timeout = timeout
             dht.shutdown()  # asks the node to stop; SIGTERM after shutdown_timeout
@@ -481,6 +482,13 @@ def in_background(call: Callable[[], Any], what: str) -> None:
 
 
 _held: set[Any] = set()  # the futures in_background has not seen answered yet
+
+
+def _settle_background(timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for the stores ``in_background`` handed to DHT processes (of this process)."""
+    deadline = time.monotonic() + timeout
+    while _held and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _warn_once(what: str, message: str) -> None:
