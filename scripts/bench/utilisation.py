@@ -113,6 +113,7 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         "complete": [r["reduce_complete"] for r in records],
         "attempts": [r["reduce_attempts"] for r in records],
         "tokens_per_second": sum(r["tokens_per_second"] for r in later) / n,
+        "tokens_per_round": sum(r["tokens"] for r in later) / n,
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
     }
 
@@ -159,12 +160,15 @@ def run_case(
         return sum(vals) / len(vals) if vals else None
 
     proto = protocol_matchmaking(ok)
+    eager = "swarm.overlap=eager" in sets
     for st in ok:  # the same peer without its waits for slower peers: what a swarm of equal peers would get
         steps = set.intersection(*(set(o["matchmaking_by_step"]) for o in ok))
         wait = sum(st["matchmaking_by_step"][k] - min(o["matchmaking_by_step"][k] for o in ok) for k in steps)
         compute, wall = st["compute_per_round"] * st["rounds_counted"], st["wall_per_round"] * st["rounds_counted"]
         st["straggler_wait"] = wait
         st["utilisation_without_straggler_wait"] = compute / (wall - wait) if wall > wait else None
+        if eager:  # matchmaking runs beside the next inner steps: a wait for slower peers is not told apart
+            st["straggler_wait"] = st["utilisation_without_straggler_wait"] = None
     return {
         "case": name,
         "config": config,
@@ -182,6 +186,7 @@ def run_case(
         "compute_per_round": mean("compute_per_round"),
         "matchmaking_per_round": mean("matchmaking_per_round"),
         "matchmaking_protocol_per_round": proto,
+        "tokens_per_round": mean("tokens_per_round"),
         "first_round_only": any(s["first_round_only"] for s in ok),
         "allreduce_per_round": mean("allreduce_per_round"),
         "exposed_per_round": mean("exposed_per_round"),
@@ -243,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"round compute {c['compute_per_round']:.1f}s, exposed {c['exposed_per_round']:.2f}s (waiting "
                     f"for the exchange {c['comm_wait_per_round']:.2f}s); the exchange: matchmaking "
                     f"{c['matchmaking_per_round']:.2f}s (protocol {c['matchmaking_protocol_per_round']:.2f}s), "
-                    f"all-reduce {c['allreduce_per_round']:.2f}s ({counted})",
+                    f"all-reduce {c['allreduce_per_round']:.2f}s; {c['tokens_per_round']:,.0f} tokens a round a peer "
+                    f"({counted})",
                     value=u,
                     unit="share",
                     reference="all wall time in inner steps",
@@ -256,15 +262,18 @@ def main(argv: list[str] | None = None) -> int:
                 )
     rec.data["cases"] = cases
     rec.notes.append(
-        "Utilisation = sum of compute_seconds over rounds 2..R divided by the wall time between the first and the "
-        "last round's record, averaged over the peers (rounds-based figure and per-peer minimum in the JSON). "
-        "No evaluation, no checkpoints. Peers share the machine's cores (1 torch thread each), so their compute "
-        "speeds differ from round to round and the faster ones wait for the slowest inside matchmaking; 'without "
-        "waiting for slower peers' removes, per round, each peer's matchmaking beyond the group's smallest "
-        "(the protocol's own latency, paid by the last peer to arrive). 'exposed' = wall - compute: everything "
-        "the peer did besides inner steps (waiting for the exchange, pseudo-gradient, copies and finite checks, "
-        "outer step, the checksum of the outer state, DHT record publishing); with swarm.overlap=eager the "
-        "exchange's matchmaking and all-reduce run during the next inner steps, and only the wait remains."
+        "Utilisation = sum of compute_seconds (inner steps only) over rounds 2..R-1 divided by the wall time from "
+        "round 2's inner steps' start to round R's (every counted round with its whole period; the start-up round and "
+        "the last exchange, which nothing follows to hide, are out), averaged over the peers (rounds-based figure and "
+        "per-peer minimum in the JSON). No evaluation, no checkpoints. Peers share the machine's cores (1 torch "
+        "thread each), so their compute speeds differ from round to round and with fixed H the faster ones wait for "
+        "the slowest; 'without waiting for slower peers' (blocking rounds only) removes, per round, each peer's "
+        "matchmaking beyond the group's smallest (the protocol's own latency, paid by the last peer to arrive). "
+        "'exposed' = wall - compute: everything the peer did besides inner steps (waiting for the exchange, "
+        "pseudo-gradient, copies and finite checks, outer step, the checksum of the outer state); with "
+        "swarm.overlap=eager the exchange's matchmaking and all-reduce run during the next inner steps, and only the "
+        "wait at swarm.overlap_steps remains. inner.round_seconds cases: every peer trains until the round's end on "
+        "the clock (H is then the cap), so nobody waits for a slower peer."
     )
     path = rec.write(args.out)
     print(f"wrote {path}")
