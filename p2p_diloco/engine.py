@@ -22,13 +22,14 @@ from the look-ahead onto the real state, scaled by c = ``swarm.overlap_carry`` (
 one outer step off: one's own Δ differs from the group's mean by about the mean's own size, and half of their
 displacement lost less than all of it in docs/compression.md). The round's Δ is then x_t - θ at its end, as
 without overlap: all of its inner steps, measured from the state it is tagged with. With the exchange done within
-those τ steps nothing waits; the price is that τ steps of each round run from x̂_t, not x_t (Streaming DiLoCo
-overlaps τ steps and mixes the same way, arXiv 2501.18512). With τ = 0, or with the group's Δ̄ for the look-ahead,
-it would be the blocking round.
+those τ steps nothing waits; the price is that τ steps of each round run from x̂_t, not x_t (Streaming DiLoCo,
+arXiv 2501.18512, likewise trains on while a synchronisation is in flight and merges the local parameters with the
+synchronised ones when it arrives). With τ = 0, or with the group's Δ̄ for the look-ahead, it would be the blocking
+round.
 ``launch`` sends Δ, tagged with the state it was measured from (the one its Δ̄ is applied to). The outer state, its
 checksum, the vote, catch-up, resync and checkpoints see only the replicated state, so they work as without
-overlap; a download (``load_state``) while an exchange is in flight keeps the steps since the send on top of the
-downloaded anchor. The last exchange (or one in flight at a stop) is settled by ``drain`` before the peer
+overlap; after a download (``load_state``) while an exchange is in flight, the steps taken from the downloaded
+anchor are the ones carried. The last exchange (or one in flight at a stop) is settled by ``drain`` before the peer
 checkpoints and leaves; a crash loses it with the rounds since the last checkpoint, as without overlap.
 
 The seam: this module knows nothing of hivemind. A Reducer takes this worker's Δ, its weight (tokens this
