@@ -154,12 +154,15 @@ class SwarmConfig:
     # displacement onto the settled state (engine.py). none by default: at equal tokens eager (int8, τ 5, carry 0.5)
     # ended at 1.0074 (tiny, 3 seeds) and 1.0080 (small, 2 seeds) of blocking's loss, up to 1.018 in one seed
     # (docs/compression.md); turn it on where the exchange takes more than ~1% of a round (home links, big models,
-    # short rounds: BENCHMARKS.md items 3 and 7). Not part of the fingerprint: the replicated state moves the same.
+    # short rounds): small at 100 Mbit/s went from 84% to 96% compute utilisation (BENCHMARKS.md items 3 and 7). Not
+    # part of the fingerprint: the replicated state moves the same either way.
     overlap: str = "none"
-    # eager: inner steps of the next round before the group's Δ̄ is settled: the time the exchange has. The smallest
-    # that hides it is best (each costs a little quality); a peer that waited logs the value that would have hidden
-    # it. 5: at 100 Mbit/s small's int8 exchange among 3 peers took 10-15 of its CPU steps, tiny's fewer than 5.
-    overlap_steps: int = 5
+    # eager: inner steps of the next round before the group's Δ̄ is settled: the time the exchange has (the peer waits
+    # there for the rest). Each look-ahead step costs a little quality, so the smallest that hides the exchange is
+    # best; a peer that waited logs the value that would have hidden it. 10: on 2 CPU cores 3 peers' exchange took
+    # about 10 tiny steps on loopback and 15 small ones at 100 Mbit/s (BENCHMARKS.md items 3 and 7); at equal tokens
+    # τ 10 ended within the noise of τ 5 (seed 0: tiny 1.0104 vs 1.0184, small 1.0134 vs 1.0154, docs/compression.md).
+    overlap_steps: int = 10
     # eager: the share of those steps' displacement kept when θ moves onto the settled state (they ran from the
     # look-ahead, about one outer step off): 0.5 lost less than 1 or 0 (7 of 9 pairs, docs/compression.md).
     overlap_carry: float = 0.5
