@@ -16,15 +16,15 @@ one's exchange has nothing to overlap with), each round's period running from it
 round's:
     utilisation (wall)   = sum(compute_seconds) / (start of round R's inner steps - start of round 2's)
     utilisation (rounds) = sum(compute_seconds) / sum(round_seconds)
-The wall figure is the stricter one (it also counts publishing the per-round record in the DHT), and the table shows
-it, averaged over peers, with the per-round breakdown (compute, matchmaking = waiting for the group, all-reduce, the
-rest). compute_seconds is inner steps only: with eager overlap, the wait for the exchange at ``swarm.overlap_steps``
-and its settling are left out of it (engine.Worker.contribute). A run of a single round (the default for small at
-H=500, whose round takes minutes on CPU) gives that round's compute_seconds / round_seconds and is labelled so: it
-includes waiting for the other peers' start-up. Peers run with one torch thread each: ``peers`` processes share this
-machine's cores, so compute is slower than on a dedicated core and the figures are what this machine gives. The
-small config runs at batch 1 x 32 on CPU (its own 16 x 256 takes about 1 s per step per core): less compute per
-round makes its utilisation figures lower bounds for the real batch.
+The wall figure is the stricter one (it also counts the work between one round's inner steps and the next's), and
+the table shows it, averaged over peers, with the per-round breakdown (compute, matchmaking = waiting for the group,
+all-reduce, the rest). compute_seconds is inner steps only: with eager overlap, the wait for the exchange at
+``swarm.overlap_steps`` and its settling are left out of it (engine.Worker.contribute). A run of a single round (the
+default for small at H=500, whose round takes minutes on CPU) gives that round's compute_seconds / round_seconds and
+is labelled so: it includes waiting for the other peers' start-up. Peers run with one torch thread each: ``peers``
+processes share this machine's cores, so compute is slower than on a dedicated core and the figures are what this
+machine gives. The small config runs at batch 1 x 32 on CPU (its own 16 x 256 takes about 1 s per step per core):
+less compute per round makes its utilisation figures lower bounds for the real batch.
 Output: scripts/bench/results/utilisation.json (``--out`` to write elsewhere; ``--smoke`` without ``--out``: a
 temporary directory). Failure: a swarm run past ``--timeout`` or a peer that exits non-zero is killed (every
 process group) and noted in the case's ``problem``; a case without 2 rounds on record is listed as not measured.
