@@ -155,19 +155,22 @@ def test_a_donor_serving_wrong_bytes_for_one_part_is_dropped_and_the_part_comes_
     caplog.set_level(logging.WARNING, logger="p2p_diloco.sync")
     liar = swarm["donors"][2]
     liar.on_call = lambda k: _wrong_at(swarm["state"], 2)  # its manifest is true; part 2 of its bytes is not
-    for _ in range(10):  # until the liar is the one asked for part 2 (which donor takes which piece is a race)
+    # until the liar is the one asked for part 2 and serves it (which donor takes which piece is a race, and under
+    # load a donor asked again and again may refuse a piece: seen in CI, "the peer sent no piece")
+    for _ in range(10):
+        caplog.clear()
         asked = _download(swarm, swarm["donors"])
         mine = [(s, e) for d, s, e, _ in asked.pieces if d == liar.peer_id]
-        if any(_covers(s, e, 2) for s, e in mine):
+        lines = [r.getMessage() for r in caplog.records]
+        caught = any(liar.peer_id[-8:] in line and "does not match the manifest" in line for line in lines)
+        if any(_covers(s, e, 2) for s, e in mine) and caught:
             break
     else:
-        pytest.fail("the liar was never asked for part 2")
+        pytest.fail(f"the liar never served part 2 (the last download's warnings: {lines})")
     # it was dropped on that piece, which another donor then served; at most its other piece in flight followed
     where = next(k for k, (d, s, e, _) in enumerate(asked.pieces) if d == liar.peer_id and _covers(s, e, 2))
     assert sum(d == liar.peer_id for d, *_ in asked.pieces[where + 1 :]) <= 1
     assert any(d != liar.peer_id and _covers(s, e, 2) and ok for d, s, e, ok in asked.pieces[where + 1 :])
-    lines = [r.getMessage() for r in caplog.records]
-    assert any(liar.peer_id[-8:] in line and "does not match the manifest" in line for line in lines), lines
 
 
 def test_a_donor_that_dies_mid_download_leaves_its_pieces_to_the_others(swarm, caplog):

@@ -30,6 +30,13 @@ def lab_ok():
         pytest.skip(reason)
 
 
+@pytest.fixture(scope="module")
+def nat_ok(lab_ok):
+    reason = netns.unavailable(nat=True)
+    if reason:
+        pytest.skip(reason)
+
+
 def _namespaces() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
@@ -119,7 +126,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
-def test_two_peers_behind_two_nats_train_with_a_reachable_one(lab_ok, tmp_path):
+def test_two_peers_behind_two_nats_train_with_a_reachable_one(nat_ok, tmp_path):
     """A reachable peer (home 0) and two peers behind two different masquerading routers (homes 1 and 2) that
     cannot reach each other: the NAT'd ones find out at start that nobody can dial them and run as clients, and all
     three average every round as one group (the reachable peer leads and reduces; the clients' verdicts reach each

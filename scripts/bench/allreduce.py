@@ -121,7 +121,7 @@ SMOKE: dict[str, Any] = {
     "peers": [2],
     "reps": 1,
     "warmup": 1,
-    "timeout": 90.0,
+    "timeout": 150.0,
     "codec_peers": [2],
     "codec_sizes": [20_000],
     "overlap_codecs": ["none", "int8"],
@@ -379,7 +379,12 @@ def run_group(world: int, cfg: dict[str, Any], timeout: float, workdir: Path) ->
         done = set()
         while len(done) < world:
             if time.monotonic() > deadline:
-                problem = f"stopped after {timeout:.0f}s (the budget for {world} peers)"
+                where = "; ".join(
+                    f"worker {rank}: {sum(r['rank'] == rank for r in records)} results, last said"
+                    f" {(p.stderr_lines or ['nothing'])[-1][-200:]!r}"
+                    for rank, p in enumerate(procs)
+                )
+                problem = f"stopped after {timeout:.0f}s (the budget for {world} peers; {where})"
                 break
             for rank, p in enumerate(procs):
                 if rank in done:

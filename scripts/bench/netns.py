@@ -80,14 +80,16 @@ def tbf_args(dev: str, rate_mbit: float) -> list[str]:
     return ["qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "400ms"]
 
 
-def unavailable() -> str | None:
+def unavailable(nat: bool = False) -> str | None:
     """None when this machine can run a lab (root, ``ip``/``tc`` present, a namespace with a shaped veth can be
-    made); otherwise the reason, for a skip message."""
+    made; with ``nat``, also ``nft`` for the NAT homes); otherwise the reason, for a skip message."""
     if os.geteuid() != 0:
         return "network namespaces need root (euid is not 0)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"'{tool}' (iproute2) is not installed"
+    if nat and shutil.which("nft") is None:
+        return "NAT homes need nftables: scripts/install_lab.sh (apt-get install -y nftables)"
     try:
         with Lab(homes=1, rate_mbit=10):
             pass
