@@ -449,16 +449,18 @@ def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tm
 
 @pytest.mark.timeout(240)
 def test_resumed_peer_that_fell_behind_takes_the_swarm_state_before_its_first_step(spawn, tmp_path):
-    sets = ["train.rounds=10", "train.checkpoint_every=1", "swarm.matchmaking_time=3", "swarm.request_timeout=1"]
+    # 40 rounds of ~0.4 s: under CI load the stop reached the second peer only after all of 10 (seen)
+    sets = ["train.rounds=40", "train.checkpoint_every=1", "swarm.matchmaking_time=3", "swarm.request_timeout=1"]
     sets += ["swarm.linger_seconds=60"]
     first = start_peer(spawn, [], tmp_path / "a", *sets)
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
     second = start_peer(spawn, initial.split(), tmp_path / "b", *sets)
-    second.wait_for_line(r"^round \d+/10 ", timeout=120)
+    second.wait_for_line(r"^round \d+/40 ", timeout=120)
     os.killpg(second.pgid, signal.SIGINT)
     assert second.wait(timeout=60) == 0, second.describe()
     saved, _ = load_outer_state(latest_checkpoint(tmp_path / "b" / "checkpoints"))
-    first.wait_for_line(rf"^round {saved.round + 2}/10 ", timeout=120)  # the swarm moves on without it
+    assert saved.round <= 37, second.describe()
+    first.wait_for_line(rf"^round {saved.round + 2}/40 ", timeout=120)  # the swarm moves on without it
 
     again = start_peer(spawn, initial.split(), tmp_path / "b", *sets, flags=("--resume",))
     match = again.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=90)
