@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.engine import ReduceInfo, Worker, fp32_bytes_sent
 from p2p_diloco.inner import lr_at
 from p2p_diloco.model import build_model
+from p2p_diloco.outer import OuterState
 from p2p_diloco.simulate import main as simulation_main
 from p2p_diloco.simulate import simulate
 from p2p_diloco.swarm.protocol import Gathered, RoundRules
@@ -406,3 +408,33 @@ def test_eager_drops_an_exchange_whose_outer_state_was_replaced_meanwhile():
     assert worker.drain(RoundRules()) is None
     assert worker.state.round == 7 and worker.pending is None and worker.start is None
     assert all(torch.equal(a, p.detach()) for a, p in zip(worker.state.anchor, worker.model.parameters()))
+
+
+def test_a_settled_round_is_hashed_in_the_background_and_the_next_outer_step_waits_for_it(monkeypatch):
+    """settle leaves the checksum to a hashing thread (tag_soon); its tag is the settled state's, not the next
+    one's: apply_outer, the only change in place, waits for a hashing still reading the state (made slow here, so
+    that it still runs when the next outer step comes)."""
+    hash_state = OuterState.checksum
+
+    def slow_checksum(self):
+        time.sleep(0.5)
+        return hash_state(self)
+
+    cfg = load_config(TINY, ["inner.steps=2", "train.rounds=3", *FAST])
+    worker = Worker(cfg, 257, _batches(4))
+    try:
+        monkeypatch.setattr(OuterState, "checksum", slow_checksum)
+        result = worker.run_round(_SelfReducer(), RoundRules())
+        assert not isinstance(result.hashed, str)  # a future: the round's checksum is hashed off the main thread
+        settled = worker.state.copy()
+        delta = [torch.full_like(a, 0.01) for a in worker.state.anchor]
+        worker.apply_outer(delta)  # while round 1's state is still being hashed
+        assert not result.hashed.running()
+        monkeypatch.undo()
+        assert result.checksum == settled.checksum() != worker.state.checksum()
+        hashed = worker.tag_soon()
+        assert worker.tag_soon() is hashed  # one hashing per state
+        assert hashed.result() == worker.tag() and worker.tag().checksum == worker.state.checksum()
+        assert worker.tag_soon().result() == worker.tag()  # hashed before: done at once
+    finally:
+        worker.close()

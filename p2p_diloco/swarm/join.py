@@ -150,20 +150,22 @@ class Membership(Announcements):
         self.ready_at = 0.0  # when our current inner steps end (DHT time; 0.0: not known)
         self.patience = cfg.swarm.matchmaking_time  # how much later than now a mate may be ready and be waited for
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
+        self._lock = threading.Lock()  # announce runs in the main thread and, once a state is hashed, the hashing one
 
     def announce(self, tag: RoundTag, wait: bool = True) -> bool:
         """Store (or refresh) our announcement, vouching for ``tag`` and our previous few; False when no DHT node
         took it within the deadline. ``wait=False`` hands it to the DHT process and returns at once (True)."""
-        if not self.states or self.states[-1] != tag:
-            self.states = [t for t in self.states if t != tag][-(self.HISTORY - 1) :] + [tag]
-        self._value = value = {
-            "fingerprint": self.fingerprint,
-            "summary": self.summary,
-            "round": tag.round,
-            "states": [[t.round, t.checksum] for t in self.states],
-            "client": self.client,
-            "ready_at": self.ready_at,
-        }
+        with self._lock:
+            if not self.states or self.states[-1] != tag:
+                self.states = [t for t in self.states if t != tag][-(self.HISTORY - 1) :] + [tag]
+            self._value = value = {
+                "fingerprint": self.fingerprint,
+                "summary": self.summary,
+                "round": tag.round,
+                "states": [[t.round, t.checksum] for t in self.states],
+                "client": self.client,
+                "ready_at": self.ready_at,
+            }
         return self._store(value, wait)
 
     def expect_ready(self, ready_at: float, patience: float | None = None) -> None:
@@ -172,9 +174,11 @@ class Membership(Announcements):
         self.ready_at = max(0.0, float(ready_at)) if math.isfinite(ready_at) else 0.0
         if patience is not None and math.isfinite(patience):
             self.patience = min(self.cfg.swarm.matchmaking_time, max(0.0, patience))
-        if self._value is not None:
-            self._value = {**self._value, "ready_at": self.ready_at}
-            self._store(self._value, wait=False)
+        with self._lock:
+            if self._value is None:
+                return
+            self._value = value = {**self._value, "ready_at": self.ready_at}
+        self._store(value, wait=False)
 
     def refresh(self) -> None:
         """Store our last announcement again (it says we are still here); called every HEARTBEAT seconds."""

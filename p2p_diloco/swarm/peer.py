@@ -34,6 +34,7 @@ import functools
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +194,8 @@ class TrainingPeer:
             vouches=members.vouches,
             quorum=s.state_quorum,
         )
-        sync.on_change = lambda: members.announce(sync.tag(), wait=False)  # vouch for a new state at once
+        # vouch for a new state as soon as it is hashed (in the background: the next inner steps need not wait)
+        sync.on_change = lambda: worker.tag_soon().add_done_callback(self._vouch)
         threading.Thread(target=self._heartbeat, name="announcements", daemon=True).start()
         first_state(worker, sync, members, cfg, self.opts)
         wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
@@ -277,6 +279,12 @@ class TrainingPeer:
             return None
         finally:
             close()
+
+    def _vouch(self, hashed: Future) -> None:
+        """Announce the state ``hashed`` is the tag of, if it is still ours (called where its hashing ended)."""
+        tag = hashed.result()
+        if self.worker.state.round == tag.round:
+            self.members.announce(tag, wait=False)
 
     def _announce_ready(self, done: int, pace: float) -> None:
         """Announce when this round's inner steps will end (DHT time, which is the wall clock): the round's end under
