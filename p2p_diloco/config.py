@@ -160,8 +160,9 @@ class SwarmConfig:
     # eager: inner steps of the next round before the group's Δ̄ is settled: the time the exchange has (the peer waits
     # there for the rest). Each look-ahead step costs a little quality, so the smallest that hides the exchange is
     # best; a peer that waited logs the value that would have hidden it. 10: on 2 CPU cores 3 peers' exchange took
-    # about 10 tiny steps on loopback and 15 small ones at 100 Mbit/s (BENCHMARKS.md items 3 and 7); at equal tokens
-    # τ 10 ended within the noise of τ 5 (seed 0: tiny 1.0104 vs 1.0184, small 1.0134 vs 1.0154, docs/compression.md).
+    # about 10 tiny steps on loopback and 15 small ones at 100 Mbit/s (BENCHMARKS.md items 3 and 7). At equal tokens
+    # (int8, mean ratio to blocking fp32 over seeds, docs/compression.md) τ 5 / 10 / 20 cost tiny (H 100) 1.0074 /
+    # 1.0059 / 1.0125 and small (H 50) 1.0080 / 1.0105 / 1.0202: the cost grows with τ/H.
     overlap_steps: int = 10
     # eager: the share of those steps' displacement kept when θ moves onto the settled state (they ran from the
     # look-ahead, about one outer step off): 0.5 lost less than 1 or 0 (7 of 9 pairs, docs/compression.md).
