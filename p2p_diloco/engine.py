@@ -242,8 +242,8 @@ class Worker:
         self.start: list[torch.Tensor] | None = None
         self.pending: Pending | None = None
         self._exchanges: ThreadPoolExecutor | None = None
-        self._tag: tuple[OuterState, int, RoundTag] | None = None  # the tag of the state as it was last hashed
-        self._hashing: tuple[OuterState, int, Future] | None = None  # its hashing in the background (-> RoundTag)
+        # the state last hashed, at which round, and its tag (a future: done, or hashing in the background)
+        self._hashing: tuple[OuterState, int, Future] | None = None
         self._hasher: ThreadPoolExecutor | None = None
         self.round_ends_at = 0.0  # inner.round_seconds: when the last time-budgeted inner phase had to end
 
@@ -361,50 +361,51 @@ class Worker:
 
     def tag(self) -> RoundTag:
         """The outer state's (round, checksum), hashed once per state: the state changes only through
-        ``load_state`` (a new object) and ``apply_outer`` (its round moves). Waits for a hashing of this state that
-        ``tag_soon`` started."""
-        tag = self.cached_tag()
-        if tag is None:
-            hashing = self._hashing
-            if hashing is not None and hashing[0] is self.state and hashing[1] == self.state.round:
-                tag = hashing[2].result()
-            else:
-                tag = RoundTag(self.state.round, self.state.checksum())
-            self._tag = (self.state, self.state.round, tag)
-        return tag
+        ``load_state`` (a new object) and ``apply_outer`` (its round moves). Hashed here unless ``tag_soon`` started
+        it, whose end it then waits for."""
+        hashing = self._hashing_of_state()
+        if hashing is None:
+            hashing = Future()
+            hashing.set_result(RoundTag(self.state.round, self.state.checksum()))
+            self._remember(hashing)
+        return hashing.result()
 
     def tag_soon(self) -> Future:
         """The outer state's tag as a future: hashed in a background thread (hashlib lets go of the GIL on large
         buffers, so the hashing runs beside the inner steps), or done already when it was hashed before. A
         settled round thus leaves its checksum (0.08 s for the small preset's 19M parameters, more on a loaded
         machine) to the time the next inner steps run; whoever needs it waits (``tag``, RoundResult.checksum)."""
-        tag = self.cached_tag()
-        if tag is not None:
-            done: Future = Future()
-            done.set_result(tag)
-            return done
-        state, round, hashing = self.state, self.state.round, self._hashing
-        if hashing is not None and hashing[0] is state and hashing[1] == round:
-            return hashing[2]
-        self._hashed()
-        if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hashing")
-        future = self._hasher.submit(lambda: RoundTag(round, state.checksum()))
-        self._hashing = (state, round, future)
-        return future
-
-    def _hashed(self) -> None:
-        """Wait for a hashing in the background, if one runs (its result stays with its future)."""
-        hashing, self._hashing = self._hashing, None
-        if hashing is not None:
-            hashing[2].exception()
+        hashing = self._hashing_of_state()
+        if hashing is None:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hashing")
+            state, round = self.state, self.state.round
+            hashing = self._hasher.submit(lambda: RoundTag(round, state.checksum()))
+            self._remember(hashing)
+        return hashing
 
     def cached_tag(self) -> RoundTag | None:
         """The outer state's tag if it was hashed since the state last changed, else None (nothing is hashed)."""
-        cached = self._tag
-        if cached is not None and cached[0] is self.state and cached[1] == self.state.round:
-            return cached[2]
+        hashing = self._hashing_of_state()
+        return hashing.result() if hashing is not None and hashing.done() else None
+
+    def _hashing_of_state(self) -> Future | None:
+        """The tag (future) of the state as it is now, if one was hashed or is being hashed."""
+        hashing = self._hashing
+        if hashing is not None and hashing[0] is self.state and hashing[1] == self.state.round:
+            return hashing[2]
         return None
+
+    def _remember(self, hashing: Future) -> None:
+        """``hashing`` is the current state's tag (after any hashing of an earlier state has ended)."""
+        self._hashed()
+        self._hashing = (self.state, self.state.round, hashing)
+
+    def _hashed(self) -> None:
+        """Wait for a hashing in the background, if one runs, and forget it (its result stays with its future)."""
+        hashing, self._hashing = self._hashing, None
+        if hashing is not None:
+            hashing[2].exception()
 
     def outer_lr(self, round: int) -> float:
         return outer_lr_at(round, self.cfg.outer.lr, self.cfg.outer.lr_warmup_rounds)
