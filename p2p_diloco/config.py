@@ -157,13 +157,14 @@ class SwarmConfig:
     # short rounds): small at 100 Mbit/s went from 84% to 96% compute utilisation (BENCHMARKS.md items 3 and 7). Not
     # part of the fingerprint: the replicated state moves the same either way.
     overlap: str = "none"
-    # eager: inner steps of the next round before the group's Δ̄ is settled: the time the exchange has (the peer waits
-    # there for the rest). Each look-ahead step costs a little quality, so the smallest that hides the exchange is
-    # best; a peer that waited logs the value that would have hidden it. 10: on 2 CPU cores 3 peers' exchange took
-    # about 10 tiny steps on loopback and 15 small ones at 100 Mbit/s (BENCHMARKS.md items 3 and 7). At equal tokens
-    # (int8, mean ratio to blocking fp32 over seeds, docs/compression.md) τ 5 / 10 / 20 cost tiny (H 100) 1.0074 /
-    # 1.0059 / 1.0125 and small (H 50) 1.0080 / 1.0105 / 1.0202: the cost grows with τ/H.
-    overlap_steps: int = 10
+    # eager: inner steps of the next round before the group's Δ̄ is settled (τ): the time the exchange has (the peer
+    # waits there for the rest). Each look-ahead step costs a little quality: at equal tokens (int8, mean ratio to
+    # blocking fp32 over seeds, docs/compression.md) τ 5 / 10 / 20 cost tiny (H 100) 1.0074 / 1.0059 / 1.0125 and
+    # small (H 50) 1.0080 / 1.0105 / 1.0202: the cost grows with τ/H, so the smallest τ that hides the exchange is
+    # best, and it depends on the link and the model, which a volunteer cannot know. 0 (auto, the default): each
+    # peer sets it after every exchange to the inner steps that exchange took at its pace, a quarter more and one
+    # step to spare (H // 10 for the first); > 0: fixed, and a peer that waited logs the τ that would have hidden it.
+    overlap_steps: int = 0
     # eager: the share of those steps' displacement kept when θ moves onto the settled state (they ran from the
     # look-ahead, about one outer step off): 0.5 lost less than 1 or 0 (7 of 9 pairs, docs/compression.md).
     overlap_carry: float = 0.5
@@ -331,7 +332,12 @@ def _check_ranges(cfg: Config) -> None:
     need(s.linger_seconds >= 0, "swarm.linger_seconds", s.linger_seconds, ">= 0 seconds")
     need(0 <= s.max_staleness <= 8, "swarm.max_staleness", s.max_staleness, "in [0, 8] rounds")
     need(0 <= s.staleness_decay <= 8, "swarm.staleness_decay", s.staleness_decay, "in [0, 8]")
-    need(s.overlap_steps >= 1, "swarm.overlap_steps", s.overlap_steps, ">= 1 inner steps")
+    need(
+        s.overlap_steps >= 0,
+        "swarm.overlap_steps",
+        s.overlap_steps,
+        ">= 0 inner steps (0: as many as the exchange takes)",
+    )
     need(0 <= s.overlap_carry <= 1, "swarm.overlap_carry", s.overlap_carry, "in [0, 1]")
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")

@@ -93,6 +93,7 @@ class ReduceInfo:
     matchmaking_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     wait_seconds: float = 0.0  # the training thread blocked on this reduce: its exposed communication
+    overlap_steps: int = 0  # eager: the inner steps of the next round that ran while it was in flight
     bytes_sent: int = 0
     bytes_received: int = 0
     reason: str = ""
@@ -141,6 +142,10 @@ class Pending:
     result: Future  # -> (averaged, ReduceInfo)
     launched: float = field(default_factory=time.monotonic)
     steps: int = 0  # inner steps taken since it was sent
+    finished: float | None = None  # when its result came (time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.result.add_done_callback(lambda _: setattr(self, "finished", time.monotonic()))
 
 
 def fp32_bytes_sent(num_params: int, group_size: int) -> int:
@@ -181,6 +186,7 @@ class RoundResult:
             "matchmaking_seconds": self.reduce.matchmaking_seconds,
             "allreduce_seconds": self.reduce.allreduce_seconds,
             "comm_wait_seconds": self.reduce.wait_seconds,
+            "overlap_steps": self.reduce.overlap_steps,
             "bytes_sent": self.reduce.bytes_sent,
             "bytes_received": self.reduce.bytes_received,
             "outer_lr": self.outer_lr,
@@ -246,6 +252,10 @@ class Worker:
         self._hashing: tuple[OuterState, int, Future] | None = None
         self._hasher: ThreadPoolExecutor | None = None
         self.round_ends_at = 0.0  # inner.round_seconds: when the last time-budgeted inner phase had to end
+        # eager: the inner steps the next exchange has before it is settled (τ): swarm.overlap_steps, or with 0 the
+        # steps the last exchange took at this peer's pace (``_adapt``), H // 10 until one was measured (and in the
+        # simulator, whose exchange takes no time)
+        self.overlap_steps = cfg.swarm.overlap_steps or max(1, cfg.inner.steps // 10)
 
     def _counted(self, batches: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         for batch in batches:
@@ -417,7 +427,7 @@ class Worker:
         in flight (eager), ``drain`` (settle it: ``Worker.drain`` with the round's rules) runs after
         ``swarm.overlap_steps`` of the steps, or after the last one if the round is shorter, so Δ and the payload's
         tag are of the state it leaves."""
-        after, drained = self.cfg.swarm.overlap_steps, 0.0
+        after, drained = self.overlap_steps, 0.0
 
         def stepped(k: int, loss: float) -> None:
             nonlocal drained
@@ -513,7 +523,7 @@ class Worker:
         settled: list[RoundResult | None] = [None]
 
         def drain() -> None:
-            settled[0] = self.drain(rules, sync, eval_sets)
+            settled[0] = self.drain(rules, sync, eval_sets, adapt=True)
 
         mine = self.contribute(on_step, drain)
         if self._exchanges is None:
@@ -537,11 +547,17 @@ class Worker:
         return mine
 
     def drain(
-        self, rules: RoundRules, sync: SharedState | None = None, eval_sets: dict[str, torch.Tensor] | None = None
+        self,
+        rules: RoundRules,
+        sync: SharedState | None = None,
+        eval_sets: dict[str, torch.Tensor] | None = None,
+        adapt: bool = False,
     ) -> RoundResult | None:
         """Eager: wait for the exchange in flight and settle it (the outer state moves by the group's Δ̄, or as
         ``decide`` says), then carry the inner steps taken since onto the outer state settled: θ ← anchor + c (θ -
-        look-ahead), c = ``swarm.overlap_carry``. None when there is none or it changed nothing."""
+        look-ahead), c = ``swarm.overlap_carry``. None when there is none or it changed nothing. ``adapt``: the
+        exchange ran on the wall clock beside the inner steps (a swarm peer's, not the simulator's, which takes no
+        time): its time sets the next τ (``_adapt``)."""
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
@@ -557,7 +573,9 @@ class Worker:
             started = time.monotonic()
             averaged, info = pending.result.result()
             info.wait_seconds = time.monotonic() - started
-            self._hint(pending, started, info.wait_seconds)
+            info.overlap_steps = pending.steps
+            if adapt:
+                self._adapt(pending, started, info.wait_seconds)
             sent = pending.mine.payload.tag
             if self.tag() != sent:  # a rollback or a download replaced the state the group's Δ̄ belongs to
                 log.warning(
@@ -575,21 +593,43 @@ class Worker:
                     p.add_(d.to(p.device), alpha=carry)
         return result
 
-    def _hint(self, pending: Pending, started: float, waited: float) -> None:
-        """Say how many inner steps the exchange took when the training waited for it (over 0.1 s)."""
-        if waited <= 0.1 or not pending.steps or started <= pending.launched:
+    def _adapt(self, pending: Pending, started: float, waited: float) -> None:
+        """After a drain that began at ``started`` and waited ``waited`` s: with ``swarm.overlap_steps`` 0, set the
+        next τ to the steps the exchange took at this round's pace, with a quarter more and one step to spare (its
+        time varies from round to round: matchmaking, other peers' pace), within [1, H]; with a fixed τ, say when
+        the training waited (over 0.1 s) and which τ would have hidden it."""
+        if not pending.steps or started <= pending.launched:
             return
-        took, pace = started + waited - pending.launched, (started - pending.launched) / pending.steps
-        log.info(
-            "round %d: waited %.2fs after %d inner steps for the group's Δ̄ (the exchange took %.1fs, %d steps at "
-            "this pace): swarm.overlap_steps=%d would hide it",
-            pending.mine.payload.tag.round + 1,
-            waited,
-            pending.steps,
-            took,
-            math.ceil(took / pace),
-            math.ceil(took / pace) + 1,
-        )
+        pace = (started - pending.launched) / pending.steps
+        took = (pending.finished or started + waited) - pending.launched
+        label = f"round {pending.mine.payload.tag.round + 1}"
+        if self.cfg.swarm.overlap_steps:
+            if waited > 0.1:
+                log.info(
+                    "%s: waited %.2fs after %d inner steps for the group's Δ̄ (the exchange took %.1fs, %d steps at "
+                    "this pace): swarm.overlap_steps=%d would hide it",
+                    label,
+                    waited,
+                    pending.steps,
+                    took,
+                    math.ceil(took / pace),
+                    math.ceil(took / pace) + 1,
+                )
+            return
+        steps = min(self.cfg.inner.steps, max(1, math.ceil(1.25 * took / pace) + 1))
+        if steps != self.overlap_steps:
+            log.info(
+                "%s: the exchange took %.1fs, %.1f inner steps at this pace (%.2fs a step; waited %.2fs): the next "
+                "is settled after %d steps, not %d",
+                label,
+                took,
+                took / pace,
+                pace,
+                waited,
+                steps,
+                self.overlap_steps,
+            )
+        self.overlap_steps = steps
 
     def close(self) -> None:
         """Let the exchange and hashing threads go (drain first: an exchange still in flight here is abandoned)."""

@@ -56,7 +56,7 @@ def test_overrides_apply_in_order_and_parse_yaml_values():
         ("swarm.run_id=a.b", "swarm.run_id", "'.'"),
         ("swarm.request_timeout=100", "swarm.request_timeout", "matchmaking_time"),
         ("swarm.overlap=lazy", "swarm.overlap", "eager"),
-        ("swarm.overlap_steps=0", "swarm.overlap_steps", ">= 1 inner steps"),
+        ("swarm.overlap_steps=-1", "swarm.overlap_steps", ">= 0 inner steps"),
         ("swarm.overlap_carry=1.5", "swarm.overlap_carry", "[0, 1]"),
         ("logging.progress_bar=maybe", "logging.progress_bar", "expected bool"),
         ("logging.log_every=-5", "logging.log_every", ">= 0 (0: a line per round only)"),

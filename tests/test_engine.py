@@ -395,6 +395,53 @@ def test_eager_settles_at_the_end_of_a_round_shorter_than_overlap_steps():
     assert all(torch.equal(x, p) for x, p in zip(worker.start, _params(worker.model)))  # θ back where it started
 
 
+class _SlowReducer(_SelfReducer):
+    """A group of one whose exchange takes ``delay`` seconds."""
+
+    delay = 0.0
+
+    def reduce(self, pseudo_grads, weight, payload):
+        time.sleep(self.delay)
+        return super().reduce(pseudo_grads, weight, payload)
+
+
+def test_eager_with_overlap_steps_0_settles_after_as_many_steps_as_the_last_exchange_took():
+    """swarm.overlap_steps 0: τ starts at H // 10; after each exchange it is the inner steps that exchange took at
+    the worker's pace, a quarter more and one to spare, so a slow exchange gets more steps next time and a fast one
+    fewer; the record says after how many steps each was settled. A fixed τ does not move."""
+    cfg = load_config(TINY, ["inner.steps=12", "train.rounds=6", "swarm.overlap=eager", "swarm.overlap_steps=0", *FAST])
+    worker, reducer = Worker(cfg, 257, _batches(7)), _SlowReducer()
+    try:
+        assert worker.overlap_steps == 1  # H // 10 until an exchange was measured
+        worker.run_round(reducer, RoundRules())  # round 1 sent (it takes no time)
+        pace = worker.pending.mine.inner.seconds / 12
+        result = worker.run_round(reducer, RoundRules())  # round 1 settled after 1 step; round 2 sent
+        assert result.reduce.overlap_steps == 1 and result.record()["overlap_steps"] == 1
+        assert worker.overlap_steps == 2  # it was done at once: one step and one to spare
+        reducer.delay = 5 * pace  # round 2's exchange takes about 5 steps
+        result = worker.run_round(reducer, RoundRules())  # settled after 2 steps, waiting for the rest
+        assert result.reduce.overlap_steps == 2 and result.reduce.wait_seconds > 0
+        slow = worker.overlap_steps
+        assert slow >= 4, slow
+        reducer.delay = 0.0
+        result = worker.run_round(reducer, RoundRules())  # round 3's exchange, given `slow` steps
+        assert result.reduce.overlap_steps == slow
+        assert worker.overlap_steps == 2
+        worker.drain(RoundRules())
+    finally:
+        worker.close()
+
+    fixed = Worker(
+        load_config(TINY, ["inner.steps=6", "swarm.overlap=eager", "swarm.overlap_steps=3", *FAST]), 257, _batches(7)
+    )
+    try:
+        for _ in range(3):
+            fixed.run_round(reducer, RoundRules())
+        assert fixed.overlap_steps == 3
+    finally:
+        fixed.close()
+
+
 def test_eager_drops_an_exchange_whose_outer_state_was_replaced_meanwhile():
     """A rollback or download while the exchange is in flight: its Δ̄ belongs to another state, so it is dropped
     (not applied to the new one), and θ goes on from the new anchor with the steps taken since."""

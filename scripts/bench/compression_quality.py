@@ -17,7 +17,8 @@ steps per worker (equal tokens). Cases per preset:
             int8 at every τ of ``--taus``
     every other seed of ``--seeds``: blocking none, blocking int8, eager int8 at τ_rec (the key comparisons, to see
             the seed-to-seed noise)
-τ_rec is ``--tau-rec`` (default: the config's ``swarm.overlap_steps``). Each case's final eval loss is compared with
+τ_rec is ``--tau-rec`` (default 10; the simulator's exchange takes no time, so a case sets τ: the swarm's default
+``swarm.overlap_steps`` 0 adapts it to the measured exchange). Each case's final eval loss is compared with
 the blocking none run of the same preset and seed ("ratio"); the seeds table gives each combination's mean ratio. A
 seed changes the model's initialisation, the shards' order and the eval split (data.py hashes the seed into it), so
 absolute losses of different seeds are not comparable; their ratios are.
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import RESULTS_DIR, ROOT, Recorder, exit_on_sigterm, fill_defaults, single_thread_env  # noqa: E402
 
 WORKERS = 4
+TAU_REC = 10  # τ of the seed comparisons
 # name -> config, rounds, H, overrides, overlap depths τ to check, seeds; H = 100 is the utilisation target's
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -112,12 +114,6 @@ class Case:
 
     def key(self) -> tuple[str, str, str, int, int]:
         return (self.preset, self.compression, self.overlap, self.tau, self.seed)
-
-
-def default_tau() -> int:
-    from p2p_diloco.config import load_config
-
-    return int(load_config(ROOT / PRESETS["tiny"]["config"], []).swarm.overlap_steps)
 
 
 def plan(preset: str, taus: list[int], tau_rec: int, seeds: list[int]) -> list[Case]:
@@ -326,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="rounds for every preset (tiny 10, small 6)")
     p.add_argument("--h", type=int, default=None, help="inner steps per round for every preset (tiny 100, small 50)")
     p.add_argument("--taus", type=int, nargs="*", default=None, help="overlap depths τ of eager int8 at seed 0")
-    p.add_argument("--tau-rec", type=int, default=None, help="τ of the seed comparisons (the config's overlap_steps)")
+    p.add_argument("--tau-rec", type=int, default=TAU_REC, help=f"τ of the seed comparisons ({TAU_REC})")
     p.add_argument("--seeds", type=int, nargs="*", default=None, help="seeds for every preset (tiny 0 1 2, small 0 1)")
     p.add_argument("--jobs", type=int, default=None, help="simulations at once, one thread each (2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override k=v (repeatable)")
@@ -345,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.smoke
             else RESULTS_DIR / "compression_quality.json"
         )
-    tau_rec = args.tau_rec or default_tau()
+    tau_rec = args.tau_rec
     settings = {}
     for preset in args.preset:
         spec = PRESETS[preset]
