@@ -364,6 +364,17 @@ def steady_rounds(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return records[1:], float(records[-1]["time"]) - float(records[1].get("compute_started") or records[0]["time"])
 
 
+def overlap_label(per_peer: list[dict[str, Any] | None]) -> str:
+    """With ``swarm.overlap`` eager: after how many inner steps the counted rounds' exchanges were settled (τ, the
+    records' ``overlap_steps``), over all peers; '' without overlap."""
+    steps = [t for s in per_peer if s for t in s.get("overlap_steps", []) if t]
+    if not steps:
+        return ""
+    low, high, mean = min(steps), max(steps), sum(steps) / len(steps)
+    spread = f"{low}" if low == high else f"{low}-{high} (mean {mean:.1f})"
+    return f"; each exchange settled after {spread} inner steps"
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

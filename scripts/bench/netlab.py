@@ -60,6 +60,7 @@ from benchlib import (  # noqa: E402
     Recorder,
     exit_on_sigterm,
     fill_defaults,
+    overlap_label,
     read_jsonl,
     run_overrides,
     single_thread_env,
@@ -148,6 +149,7 @@ def analyse(records: list[dict[str, Any]], rate_mbit: float) -> dict[str, Any] |
         "wire_seconds_per_round": sent * 8 / (rate_mbit * 1e6),
         "allreduce_goodput_mbit": (sent * 8 / (ar / n) / 1e6) if ar > 0 else None,
         "group_sizes": [r["group_size"] for r in records],
+        "overlap_steps": [r.get("overlap_steps", 0) for r in later],  # eager: inner steps each exchange had
         "complete": [r["reduce_complete"] for r in records],
         "complete_counted": sum(bool(r["reduce_complete"]) for r in later),
         "reasons": [r.get("reduce_reason") for r in records],
@@ -317,6 +319,7 @@ def add_row(rec: Recorder, c: dict[str, Any], link_mbit: float | None) -> None:
         f"{c['exposed_per_round']:.2f}s (matchmaking {c['matchmaking_per_round']:.2f}s, all-reduce "
         f"{c['allreduce_per_round']:.2f}s, other {c['other_per_round']:.2f}s); sent {sent / 2**20:.2f} MiB/peer/"
         f"round = wire time {c['wire_seconds_per_round']:.2f}s at {rate:g} Mbit/s ({counted})"
+        f"{overlap_label(c['per_peer'])}"
     )
     rec.add(
         figure=figure,

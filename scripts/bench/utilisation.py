@@ -45,6 +45,7 @@ from benchlib import (  # noqa: E402
     Recorder,
     exit_on_sigterm,
     fill_defaults,
+    overlap_label,
     read_jsonl,
     run_overrides,
     start_swarm,
@@ -110,6 +111,7 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         "matchmaking_by_step": {r["outer_step"]: r["matchmaking_seconds"] for r in later},
         "first_round": {k: records[0][k] for k in ("compute_seconds", "matchmaking_seconds", "allreduce_seconds")},
         "group_sizes": [r["group_size"] for r in records],
+        "overlap_steps": [r.get("overlap_steps", 0) for r in later],  # eager: inner steps each exchange had
         "complete": [r["reduce_complete"] for r in records],
         "attempts": [r["reduce_attempts"] for r in records],
         "tokens_per_second": sum(r["tokens_per_second"] for r in later) / n,
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"for the exchange {c['comm_wait_per_round']:.2f}s); the exchange: matchmaking "
                     f"{c['matchmaking_per_round']:.2f}s (protocol {c['matchmaking_protocol_per_round']:.2f}s), "
                     f"all-reduce {c['allreduce_per_round']:.2f}s; {c['tokens_per_round']:,.0f} tokens a round a peer "
-                    f"({counted})",
+                    f"({counted}){overlap_label(c['per_peer'])}",
                     value=u,
                     unit="share",
                     reference="all wall time in inner steps",
