@@ -16,9 +16,10 @@ Failure: ``contribute`` raises NonFiniteLossError / NonFiniteUpdateError (or wha
 Overlap (``swarm.overlap``): none: ``run_round`` = contribute, reduce, settle; the peer waits for the exchange.
 eager: the exchange of round t runs in the background while round t+1's inner steps run. They start from the
 look-ahead x̂_t, the outer step taken with this peer's own Δ in place of the group's (outer lr and momentum as the
-real one), on a copy: the replicated state is not touched. After ``swarm.overlap_steps`` of them (or at the end of a
-shorter round) ``drain`` waits for the group's Δ̄, settles it (the replicated outer state moves exactly as without
-overlap: x_t = outer_step(x_{t-1}, Δ̄)) and corrects θ: θ ← x_t + c (θ - x̂_t), the steps taken so far carried over
+real one), on a copy: the replicated state is not touched. After τ of them (``swarm.overlap_steps``; with 0, the
+steps the last exchange took at this peer's pace, ``_adapt``), or at the end of a shorter round, ``drain`` waits for
+the group's Δ̄, settles it (the replicated outer state moves exactly as without overlap: x_t = outer_step(x_{t-1},
+Δ̄)) and corrects θ: θ ← x_t + c (θ - x̂_t), the steps taken so far carried over
 from the look-ahead onto the real state, scaled by c = ``swarm.overlap_carry`` (they were taken from a point about
 one outer step off: one's own Δ differs from the group's mean by about the mean's own size, and half of their
 displacement lost less than all of it in docs/compression.md). The round's Δ is then x_t - θ at its end, as
