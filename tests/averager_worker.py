@@ -112,7 +112,7 @@ def main() -> None:
         kwargs["rules"] = RoundRules(**cfg["rules"])
     averager = PseudoGradAverager(dht, grads, cfg["prefix"], identity=signer, **kwargs)
     waits = list(cfg.get("group_wait") or [])
-    averager.group_wait = lambda: waits.pop(0) if waits else 0.0
+    averager.group_wait = lambda limit: waits.pop(0) if waits else 0.0
     rnd, checksum = cfg.get("tag") or [0, "start"]
     steps = []
     original_step = averager.step

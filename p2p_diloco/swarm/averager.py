@@ -253,10 +253,11 @@ class PseudoGradAverager(DecentralizedAverager):
         # host side, client mode only: how many live peers of the run accept calls (can lead and reduce); at 0 a
         # round is local at once, with the reason, instead of a matchmaking that cannot succeed
         self.reachable_members: Callable[[], int] | None = None
-        # host side: seconds until the next peer of the run will be ready to average when none is now (e.g.
-        # Membership.group_wait); reduce waits that long before matchmaking, and again after a matchmaking that found
-        # nobody, within round_deadline, instead of averaging alone
-        self.group_wait: Callable[[], float] | None = None
+        # host side: seconds until the next peer of the run will be ready to average when none is now, if within the
+        # limit given, else 0 (e.g. Membership.group_wait, which tells the others we come then); reduce waits that
+        # long before matchmaking, and again after a matchmaking that found nobody, within round_deadline, instead
+        # of averaging alone
+        self.group_wait: Callable[[float], float] | None = None
         self._closing = threading.Event()
         if start:
             self.run_in_background(await_ready=True, timeout=60)
@@ -354,7 +355,7 @@ class PseudoGradAverager(DecentralizedAverager):
         if self.group_wait is None:
             return False
         try:
-            delay = float(self.group_wait())
+            delay = float(self.group_wait(until - time.monotonic()))
         except Exception as exc:  # noqa: BLE001 - not knowing when others are ready: go to matchmaking now
             log.debug("when peers are ready is unknown (%r)", exc)
             return False
