@@ -19,15 +19,14 @@ look-ahead x̂_t, the outer step taken with this peer's own Δ in place of the g
 real one), on a copy: the replicated state is not touched. After τ of them (``swarm.overlap_steps``; with 0, the
 steps the last exchange took at this peer's pace, ``_adapt``), or at the end of a shorter round, ``drain`` waits for
 the group's Δ̄, settles it (the replicated outer state moves exactly as without overlap: x_t = outer_step(x_{t-1},
-Δ̄)) and corrects θ: θ ← x_t + c (θ - x̂_t), the steps taken so far carried over
-from the look-ahead onto the real state, scaled by c = ``swarm.overlap_carry`` (they were taken from a point about
-one outer step off: one's own Δ differs from the group's mean by about the mean's own size, and half of their
-displacement lost less than all of it in docs/compression.md). The round's Δ is then x_t - θ at its end, as
-without overlap: all of its inner steps, measured from the state it is tagged with. With the exchange done within
-those τ steps nothing waits; the price is that τ steps of each round run from x̂_t, not x_t (Streaming DiLoCo,
-arXiv 2501.18512, likewise trains on while a synchronisation is in flight and merges the local parameters with the
-synchronised ones when it arrives). With τ = 0, or with the group's Δ̄ for the look-ahead, it would be the blocking
-round.
+Δ̄)) and corrects θ: θ ← x_t + c (θ - x̂_t), the steps taken so far carried over from the look-ahead onto the real
+state, scaled by c = ``swarm.overlap_carry`` (they were taken from a point about one outer step off: one's own Δ
+differs from the group's mean by about the mean's own size, and half of their displacement lost less than all of it
+in docs/compression.md). The round's Δ is then x_t - θ at its end, as without overlap: all of its inner steps,
+measured from the state it is tagged with. With the exchange done within those τ steps nothing waits; the price is
+that τ steps of each round run from x̂_t, not x_t (Streaming DiLoCo, arXiv 2501.18512, likewise trains on while a
+synchronisation is in flight and merges the local parameters with the synchronised ones when it arrives). With τ =
+0, or with the group's Δ̄ for the look-ahead, it would be the blocking round.
 ``launch`` sends Δ, tagged with the state it was measured from (the one its Δ̄ is applied to). The outer state, its
 checksum, the vote, catch-up, resync and checkpoints see only the replicated state, so they work as without
 overlap; after a download (``load_state``) while an exchange is in flight, the steps taken from the downloaded
