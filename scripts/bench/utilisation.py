@@ -247,11 +247,13 @@ def main(argv: list[str] | None = None) -> int:
                 settings = ", ".join(sets) if sets else "preset defaults"
                 u_nsw = c["utilisation_without_straggler_wait"]
                 nsw = "-" if u_nsw is None else f"{100 * u_nsw:.1f}% without waiting for slower peers"
+                proto = c["matchmaking_protocol_per_round"]  # None when the peers counted no round in common
+                proto = "-" if proto is None else f"{proto:.2f}s"
                 rec.add(
                     figure=f"{name}, H={h}, {args.peers} peers ({settings}): compute share of wall ({nsw}); per "
                     f"round compute {c['compute_per_round']:.1f}s, exposed {c['exposed_per_round']:.2f}s (waiting "
                     f"for the exchange {c['comm_wait_per_round']:.2f}s); the exchange: matchmaking "
-                    f"{c['matchmaking_per_round']:.2f}s (protocol {c['matchmaking_protocol_per_round']:.2f}s), "
+                    f"{c['matchmaking_per_round']:.2f}s (protocol {proto}), "
                     f"all-reduce {c['allreduce_per_round']:.2f}s; {c['tokens_per_round']:,.0f} tokens a round a peer "
                     f"({counted}){overlap_label(c['per_peer'])}",
                     value=u,
