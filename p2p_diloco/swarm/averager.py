@@ -351,21 +351,27 @@ class PseudoGradAverager(DecentralizedAverager):
 
     def _wait_for_group(self, until: float, info: ReduceInfo, notes: list[str]) -> bool:
         """Sleep until the next peer will be ready (``group_wait``), if that is before ``until`` (monotonic); the
-        wait counts as matchmaking. Whether it waited."""
-        if self.group_wait is None:
+        wait counts as matchmaking. Whether it waited. Asked again every quarter of ``matchmaking_time`` while
+        asleep: the mates' round ends are estimates, and one that comes early (seen: a round 25% faster once this peer
+        stopped competing for the cores) would otherwise be over before we wake, and we would miss it again."""
+        began, first = time.monotonic(), 0.0
+        while not self._closing.is_set():
+            try:
+                delay = float(self.group_wait(until - time.monotonic())) if self.group_wait is not None else 0.0
+            except Exception as exc:  # noqa: BLE001 - not knowing when others are ready: go to matchmaking now
+                log.debug("when peers are ready is unknown (%r)", exc)
+                delay = 0.0
+            if not (0.0 < delay <= until - time.monotonic()):
+                break
+            if not first:
+                first = delay
+                log.info("no peer is ready to average now; waiting %.1fs for the next one", delay)
+            self._closing.wait(min(delay, max(1.0, self.matchmaking_time / 4)))
+        if not first:
             return False
-        try:
-            delay = float(self.group_wait(until - time.monotonic()))
-        except Exception as exc:  # noqa: BLE001 - not knowing when others are ready: go to matchmaking now
-            log.debug("when peers are ready is unknown (%r)", exc)
-            return False
-        if not (0.0 < delay <= until - time.monotonic()):
-            return False
-        log.info("no peer is ready to average now; waiting %.1fs for the next one", delay)
-        began = time.monotonic()
-        self._closing.wait(delay)
-        info.matchmaking_seconds += time.monotonic() - began
-        notes.append(f"waited {delay:.1f}s for the next peer to be ready")
+        waited = time.monotonic() - began
+        info.matchmaking_seconds += waited
+        notes.append(f"waited {waited:.1f}s for the next peer to be ready (expected then: {first:.1f}s)")
         return not self._closing.is_set()
 
     def _no_reachable_member(self) -> bool:
