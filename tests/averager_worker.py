@@ -13,7 +13,7 @@ optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off
 (true: a client-mode DHT node and averager, as a peer behind NAT runs), optional ``identity_path``
 (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the peer ids of a closed run),
 optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wait`` (the seconds the host's
-``group_wait`` waits: each starts when first asked, then it answers the time left, then 0), ``out_dir``.
+``group_wait`` answers, one per call, then 0), ``out_dir``.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
@@ -111,21 +111,8 @@ def main() -> None:
     if cfg.get("rules") is not None:
         kwargs["rules"] = RoundRules(**cfg["rules"])
     averager = PseudoGradAverager(dht, grads, cfg["prefix"], identity=signer, **kwargs)
-    waits, next_ready = list(cfg.get("group_wait") or []), [None]
-
-    def group_wait(limit):  # type: ignore[no-untyped-def]
-        """As Membership.group_wait: the time left until the next peer is ready; each listed wait starts when asked."""
-        now = time.monotonic()
-        if next_ready[0] is None:
-            if not waits:
-                return 0.0
-            next_ready[0] = now + waits.pop(0)
-        if next_ready[0] <= now:
-            next_ready[0] = None
-            return 0.0
-        return next_ready[0] - now
-
-    averager.group_wait = group_wait
+    waits = list(cfg.get("group_wait") or [])
+    averager.group_wait = lambda: waits.pop(0) if waits else 0.0
     rnd, checksum = cfg.get("tag") or [0, "start"]
     steps = []
     original_step = averager.step

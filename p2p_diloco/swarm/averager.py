@@ -253,11 +253,10 @@ class PseudoGradAverager(DecentralizedAverager):
         # host side, client mode only: how many live peers of the run accept calls (can lead and reduce); at 0 a
         # round is local at once, with the reason, instead of a matchmaking that cannot succeed
         self.reachable_members: Callable[[], int] | None = None
-        # host side: seconds until the next peer of the run will be ready to average when none is now, if within the
-        # limit given, else 0 (e.g. Membership.group_wait, which tells the others we come then); reduce waits that
-        # long before matchmaking, and again after a matchmaking that found nobody, within round_deadline, instead
-        # of averaging alone
-        self.group_wait: Callable[[float], float] | None = None
+        # host side: seconds until the next peer of the run will be ready to average when none is now (e.g.
+        # Membership.group_wait); reduce waits that long before matchmaking, and again after a matchmaking that found
+        # nobody, within round_deadline, instead of averaging alone
+        self.group_wait: Callable[[], float] | None = None
         self._closing = threading.Event()
         if start:
             self.run_in_background(await_ready=True, timeout=60)
@@ -351,27 +350,21 @@ class PseudoGradAverager(DecentralizedAverager):
 
     def _wait_for_group(self, until: float, info: ReduceInfo, notes: list[str]) -> bool:
         """Sleep until the next peer will be ready (``group_wait``), if that is before ``until`` (monotonic); the
-        wait counts as matchmaking. Whether it waited. Asked again every quarter of ``matchmaking_time`` while
-        asleep: the mates' round ends are estimates, and one that comes early (seen: a round 25% faster once this peer
-        stopped competing for the cores) would otherwise be over before we wake, and we would miss it again."""
-        began, first = time.monotonic(), 0.0
-        while not self._closing.is_set():
-            try:
-                delay = float(self.group_wait(until - time.monotonic())) if self.group_wait is not None else 0.0
-            except Exception as exc:  # noqa: BLE001 - not knowing when others are ready: go to matchmaking now
-                log.debug("when peers are ready is unknown (%r)", exc)
-                delay = 0.0
-            if not (0.0 < delay <= until - time.monotonic()):
-                break
-            if not first:
-                first = delay
-                log.info("no peer is ready to average now; waiting %.1fs for the next one", delay)
-            self._closing.wait(min(delay, max(1.0, self.matchmaking_time / 4)))
-        if not first:
+        wait counts as matchmaking. Whether it waited."""
+        if self.group_wait is None:
             return False
-        waited = time.monotonic() - began
-        info.matchmaking_seconds += waited
-        notes.append(f"waited {waited:.1f}s for the next peer to be ready (expected then: {first:.1f}s)")
+        try:
+            delay = float(self.group_wait())
+        except Exception as exc:  # noqa: BLE001 - not knowing when others are ready: go to matchmaking now
+            log.debug("when peers are ready is unknown (%r)", exc)
+            return False
+        if not (0.0 < delay <= until - time.monotonic()):
+            return False
+        log.info("no peer is ready to average now; waiting %.1fs for the next one", delay)
+        began = time.monotonic()
+        self._closing.wait(delay)
+        info.matchmaking_seconds += time.monotonic() - began
+        notes.append(f"waited {delay:.1f}s for the next peer to be ready")
         return not self._closing.is_set()
 
     def _no_reachable_member(self) -> bool:

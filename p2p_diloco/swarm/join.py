@@ -222,19 +222,11 @@ class Membership(Announcements):
         assembles a group as soon as that many joined (swarm.target_group_size is only the cap)."""
         return 1 + self._readiness()[0]
 
-    def group_wait(self, limit: float = math.inf) -> float:
-        """Seconds until the next live mate is ready, when none is ready now but one will be within ``limit`` s (a
-        straggler that finished after the others' round began waits for their next one instead of matchmaking
-        alone); else 0. A wait is announced as our ``ready_at``: the mates then count us in at their matchmaking.
-        Without it our last ready_at (when our inner steps ended) would be more than matchmaking_time old by then,
-        which reads as a peer averaging since, so they would start without us and we would miss that round too
-        (seen at 20 Mbit/s: a peer out of step stayed out of its mates' groups for the rest of the run)."""
+    def group_wait(self) -> float:
+        """Seconds until the next live mate is ready, when none is ready now but one will be (a straggler that
+        finished after the others' round began waits for their next one instead of matchmaking alone); else 0."""
         ready, later = self._readiness()
-        wait = 0.0 if ready or not later else min(later)
-        if not 0.0 < wait <= limit:
-            return 0.0
-        self.expect_ready(get_dht_time() + wait)
-        return wait
+        return 0.0 if ready or not later else min(later)
 
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
