@@ -12,8 +12,10 @@ tokens on the wire as the weight), optional ``forge`` (sign the payload with a k
 optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``client_mode``
 (true: a client-mode DHT node and averager, as a peer behind NAT runs), optional ``identity_path``
 (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the peer ids of a closed run),
-optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wait`` (the seconds the host's
-``group_wait`` answers, one per call, then 0), ``out_dir``.
+optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wait`` (the waits the host's
+``group_wait`` stands for, one after the other, each from when it is first asked: ``s`` seconds, answered as the time
+left, or ``[s, real]``: said to be ``s`` seconds but over after ``real``, as an estimate of a mate's round end that
+comes early; then 0), ``out_dir``. The RESULT's ``looking`` counts the calls of the host's ``looking``.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
@@ -111,8 +113,23 @@ def main() -> None:
     if cfg.get("rules") is not None:
         kwargs["rules"] = RoundRules(**cfg["rules"])
     averager = PseudoGradAverager(dht, grads, cfg["prefix"], identity=signer, **kwargs)
-    waits = list(cfg.get("group_wait") or [])
-    averager.group_wait = lambda: waits.pop(0) if waits else 0.0
+    waits, current, looking = list(cfg.get("group_wait") or []), [], [0]
+
+    def group_wait() -> float:
+        """As Membership.group_wait: the time said to be left until the next peer is ready; 0 once it is."""
+        now = time.monotonic()
+        if not current:
+            if not waits:
+                return 0.0
+            said, real = (waits.pop(0),) * 2 if isinstance(waits[0], int | float) else waits.pop(0)
+            current[:] = [now + said, now + real]
+        if current[1] <= now:
+            current.clear()
+            return 0.0
+        return current[0] - now
+
+    averager.group_wait = group_wait
+    averager.looking = lambda: looking.__setitem__(0, looking[0] + 1)
     rnd, checksum = cfg.get("tag") or [0, "start"]
     steps = []
     original_step = averager.step
@@ -141,7 +158,7 @@ def main() -> None:
             payloads = {p: g.to_wire() for p, g in info.gathered.payloads.items()}
             gathered = {"payloads": payloads, "malformed": info.gathered.malformed}
             report = {**dataclasses.asdict(info), "gathered": gathered}
-            emit("RESULT", {"info": report, "seconds": seconds, "peer_id": str(dht.peer_id)})
+            emit("RESULT", {"info": report, "seconds": seconds, "peer_id": str(dht.peer_id), "looking": looking[0]})
         elif cmd == "NAN":
             bad = [g.clone() for g in grads]
             bad[-1].view(-1)[0] = float("nan")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -297,8 +298,29 @@ def test_a_peer_nobody_is_ready_for_waits_for_the_next_one_then_averages(spawn):
         assert res["info"]["complete"] and res["info"]["group_size"] == 2, res
         assert_close(peer.result(), weighted_mean([0, 1], [1.0, 1.0]))
     waited = results[1]["info"]
-    assert waited["matchmaking_seconds"] >= 2.0 and "waited 2.0s for the next peer" in waited["reason"], waited
+    assert waited["matchmaking_seconds"] >= 2.0, waited
+    assert re.search(r"waited 2\.\ds for the next peer to be ready \(expected in 2\.0s\)", waited["reason"]), waited
     assert "waited" not in results[0]["info"]["reason"], results[0]
+    # it said it was looking as it began, and again at each quarter of matchmaking_time of its wait
+    assert results[1]["looking"] >= 3 and results[0]["looking"] == 1, results
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_waiting_peer_asks_again_and_joins_a_mate_that_is_ready_before_its_estimate(spawn):
+    """The next peer was said to be ready in 20 s but is after 2 (its round ran faster than its estimate): the
+    waiting peer asks again each quarter of matchmaking_time, so it joins the group within that, not after 20 s."""
+    averager = {**FAST, "target_group_size": 2, "matchmaking_time": 6.0}
+    peers = start_swarm(spawn, 2, per_peer={1: {"group_wait": [[20.0, 2.0]]}}, averager=averager)
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 40) for peer in peers]
+    for peer, res in zip(peers, results, strict=True):
+        assert res["info"]["complete"] and res["info"]["group_size"] == 2, res
+        assert_close(peer.result(), weighted_mean([0, 1], [1.0, 1.0]))
+    waited = results[1]["info"]
+    assert 2.0 <= waited["matchmaking_seconds"] < 6.0, waited
+    assert re.search(r"waited [23]\.\ds for the next peer to be ready \(expected in 20\.0s\)", waited["reason"]), waited
 
 
 ODD_PAYLOADS = {

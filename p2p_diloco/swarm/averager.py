@@ -257,6 +257,10 @@ class PseudoGradAverager(DecentralizedAverager):
         # Membership.group_wait); reduce waits that long before matchmaking, and again after a matchmaking that found
         # nobody, within round_deadline, instead of averaging alone
         self.group_wait: Callable[[], float] | None = None
+        # host side: say that this peer is ready to average now and looking for a group (e.g. Membership.looking);
+        # called as reduce begins and every quarter of matchmaking_time while it waits, so that mates ending their
+        # rounds meanwhile expect it, rather than reading its round's end as "averaging since"
+        self.looking: Callable[[], None] | None = None
         self._closing = threading.Event()
         if start:
             self.run_in_background(await_ready=True, timeout=60)
@@ -331,6 +335,7 @@ class PseudoGradAverager(DecentralizedAverager):
             info.group_size, info.reason = 1, NO_REACHABLE_MEMBER
             return [g.clone() for g in grads], info
         attempt_budget = 2 * self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
+        self._say_looking()
         self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes)
         while info.attempts < self.max_reduce_attempts:
             if info.attempts and time.monotonic() + attempt_budget > start + self.round_deadline:
@@ -349,23 +354,46 @@ class PseudoGradAverager(DecentralizedAverager):
         return [g.clone() for g in grads], info
 
     def _wait_for_group(self, until: float, info: ReduceInfo, notes: list[str]) -> bool:
-        """Sleep until the next peer will be ready (``group_wait``), if that is before ``until`` (monotonic); the
-        wait counts as matchmaking. Whether it waited."""
-        if self.group_wait is None:
+        """Wait while no mate is ready but one will be (``group_wait``), if that is before ``until`` (monotonic).
+        The mates' round ends are estimates, revised as they go and early when they speed up, so the wait asks
+        again every quarter of matchmaking_time, and says meanwhile that we are looking (``looking``): a mate that
+        ends its round during the wait then expects us, and we join it within that quarter. The wait counts as
+        matchmaking. Whether it waited."""
+        began, expected = time.monotonic(), 0.0
+        while not self._closing.is_set():
+            delay = self._ask_group_wait()
+            if delay <= 0.0 or time.monotonic() + delay > until:
+                break
+            if not expected:
+                expected = delay
+                log.info("no peer is ready to average now; waiting up to %.1fs for the next one", delay)
+            self._say_looking()
+            self._closing.wait(min(delay, self.matchmaking_time / 4))
+        waited = time.monotonic() - began
+        if not expected:
             return False
+        info.matchmaking_seconds += waited
+        notes.append(f"waited {waited:.1f}s for the next peer to be ready (expected in {expected:.1f}s)")
+        return not self._closing.is_set()
+
+    def _ask_group_wait(self) -> float:
+        """``group_wait``'s answer; 0 when there is none or it fails (then matchmaking goes ahead now)."""
+        if self.group_wait is None:
+            return 0.0
         try:
-            delay = float(self.group_wait())
+            return float(self.group_wait())
         except Exception as exc:  # noqa: BLE001 - not knowing when others are ready: go to matchmaking now
             log.debug("when peers are ready is unknown (%r)", exc)
-            return False
-        if not (0.0 < delay <= until - time.monotonic()):
-            return False
-        log.info("no peer is ready to average now; waiting %.1fs for the next one", delay)
-        began = time.monotonic()
-        self._closing.wait(delay)
-        info.matchmaking_seconds += time.monotonic() - began
-        notes.append(f"waited {delay:.1f}s for the next peer to be ready")
-        return not self._closing.is_set()
+            return 0.0
+
+    def _say_looking(self) -> None:
+        """Tell the mates we are ready now and looking for a group (``looking``), if anyone listens."""
+        if self.looking is None:
+            return
+        try:
+            self.looking()
+        except Exception as exc:  # noqa: BLE001 - the mates then read our last announcement, as before
+            log.debug("announcing that this peer is looking for a group failed (%r)", exc)
 
     def _no_reachable_member(self) -> bool:
         """Whether no live peer of the run can lead a group for us (client mode; ``reachable_members`` says 0)."""

@@ -180,6 +180,11 @@ class Membership(Announcements):
             self._value = value = {**self._value, "ready_at": self.ready_at}
         self._store(value, wait=False)
 
+    def looking(self) -> None:
+        """Announce that we are ready now and looking for a group (as a round's exchange begins, and again while it
+        waits for mates): ``ready_at`` is now, so a mate ending its round meanwhile expects us and does not wait."""
+        self.expect_ready(get_dht_time())
+
     def refresh(self) -> None:
         """Store our last announcement again (it says we are still here); called every HEARTBEAT seconds."""
         if self._value is not None:
@@ -223,10 +228,21 @@ class Membership(Announcements):
         return 1 + self._readiness()[0]
 
     def group_wait(self) -> float:
-        """Seconds until the next live mate is ready, when none is ready now but one will be (a straggler that
-        finished after the others' round began waits for their next one instead of matchmaking alone); else 0."""
-        ready, later = self._readiness()
-        return 0.0 if ready or not later else min(later)
+        """Seconds until the next live mate is ready, when none is ready now (its ``ready_at`` passed less than
+        ``swarm.matchmaking_time`` ago, or is not known) but one will be: a peer whose round ended before its mates'
+        waits for them, and a straggler that ended after their group formed waits for their next round instead of
+        matchmaking alone; else 0. The averager asks again as it waits: the answer is an estimate."""
+        now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
+        later = []
+        for v in self.mates():
+            at = v.get("ready_at", 0.0)
+            if not v.get("live") or not isinstance(at, float):
+                continue
+            if at == 0.0 or now - window <= at <= now:
+                return 0.0
+            if at > now:
+                later.append(at - now)
+        return min(later, default=0.0)
 
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and

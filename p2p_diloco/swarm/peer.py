@@ -185,6 +185,7 @@ class TrainingPeer:
         self.averager.expected_members = members.expected_members
         self.averager.reachable_members = members.reachable_members
         self.averager.group_wait = members.group_wait
+        self.averager.looking = members.looking
         self.sync = sync = StateSync(
             worker,
             self.averager,
