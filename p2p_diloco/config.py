@@ -154,8 +154,10 @@ class SwarmConfig:
     # displacement onto the settled state (engine.py). none by default: at equal tokens eager (int8, τ 5, carry 0.5)
     # ended at 1.0074 (tiny, 3 seeds) and 1.0080 (small, 2 seeds) of blocking's loss, up to 1.018 in one seed
     # (docs/compression.md); turn it on where the exchange takes more than ~1% of a round (home links, big models,
-    # short rounds): small at 100 Mbit/s went from 84% to 96% compute utilisation (BENCHMARKS.md items 3 and 7). Not
-    # part of the fingerprint: the replicated state moves the same either way.
+    # short rounds): small at 100 Mbit/s went from 84% to 96% compute utilisation (BENCHMARKS.md items 3 and 7). With
+    # fixed H, use it with even rounds (inner.round_seconds, or peers of equal speed): peers whose rounds end more
+    # than matchmaking_time apart have split an eager swarm into states that never agreed again (docs/compression.md).
+    # Not part of the fingerprint: the replicated state moves the same either way.
     overlap: str = "none"
     # eager: inner steps of the next round before the group's Δ̄ is settled (τ): the time the exchange has (the peer
     # waits there for the rest). Each look-ahead step costs a little quality: at equal tokens (int8, mean ratio to

@@ -22,6 +22,7 @@ answered; 1 anything unexpected, or swarm.max_failed_rounds failed rounds in a r
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 import threading
@@ -101,6 +102,9 @@ def print_public_key(identity_path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # a crash in native code (torch, hivemind's threads) prints every thread's Python stack to stderr: a peer has
+    # been seen to abort at exit after its work was saved ("terminate called without an active exception")
+    faulthandler.enable()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )

@@ -284,19 +284,26 @@ def test_a_delayed_delta_within_max_staleness_counts_at_its_stale_weight(spawn):
         assert_close(peer.result(), expected)
 
 
-@pytest.mark.swarm
-@pytest.mark.timeout(90)
-def test_a_peer_nobody_is_ready_for_waits_for_the_next_one_then_averages(spawn):
-    """group_wait says the next peer is ready in 2 s: the peer sleeps that long first (counted as matchmaking, and
-    said in the reason), then groups with the one that was there all along."""
+def _pair_with_one_waiting(spawn, group_wait: list) -> list[dict]:
+    """Two peers reduce at once; p1's group_wait answers ``group_wait`` (averager_worker.py). Both must end in a
+    complete group of 2 with the mean; their RESULTs."""
     averager = {**FAST, "target_group_size": 2, "matchmaking_time": 6.0}
-    peers = start_swarm(spawn, 2, per_peer={1: {"group_wait": [2.0]}}, averager=averager)
+    peers = start_swarm(spawn, 2, per_peer={1: {"group_wait": group_wait}}, averager=averager)
     for peer in peers:
         peer.send("REDUCE 1.0")
     results = [peer.expect("RESULT", 40) for peer in peers]
     for peer, res in zip(peers, results, strict=True):
         assert res["info"]["complete"] and res["info"]["group_size"] == 2, res
         assert_close(peer.result(), weighted_mean([0, 1], [1.0, 1.0]))
+    return results
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_peer_nobody_is_ready_for_waits_for_the_next_one_then_averages(spawn):
+    """group_wait says the next peer is ready in 2 s: the peer waits that long first (counted as matchmaking, and
+    said in the reason), then groups with the one that was there all along."""
+    results = _pair_with_one_waiting(spawn, [2.0])
     waited = results[1]["info"]
     assert waited["matchmaking_seconds"] >= 2.0, waited
     assert re.search(r"waited 2\.\ds for the next peer to be ready \(expected in 2\.0s\)", waited["reason"]), waited
@@ -310,15 +317,7 @@ def test_a_peer_nobody_is_ready_for_waits_for_the_next_one_then_averages(spawn):
 def test_a_waiting_peer_asks_again_and_joins_a_mate_that_is_ready_before_its_estimate(spawn):
     """The next peer was said to be ready in 20 s but is after 2 (its round ran faster than its estimate): the
     waiting peer asks again each quarter of matchmaking_time, so it joins the group within that, not after 20 s."""
-    averager = {**FAST, "target_group_size": 2, "matchmaking_time": 6.0}
-    peers = start_swarm(spawn, 2, per_peer={1: {"group_wait": [[20.0, 2.0]]}}, averager=averager)
-    for peer in peers:
-        peer.send("REDUCE 1.0")
-    results = [peer.expect("RESULT", 40) for peer in peers]
-    for peer, res in zip(peers, results, strict=True):
-        assert res["info"]["complete"] and res["info"]["group_size"] == 2, res
-        assert_close(peer.result(), weighted_mean([0, 1], [1.0, 1.0]))
-    waited = results[1]["info"]
+    waited = _pair_with_one_waiting(spawn, [[20.0, 2.0]])[1]["info"]
     assert 2.0 <= waited["matchmaking_seconds"] < 6.0, waited
     assert re.search(r"waited [23]\.\ds for the next peer to be ready \(expected in 20\.0s\)", waited["reason"]), waited
 
