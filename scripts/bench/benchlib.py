@@ -353,6 +353,11 @@ def run_overrides(h: int, rounds: int, peers: int, tag: str) -> list[str]:
     ]
 
 
+def log_tail(procs: list[Any], lines: int = 40) -> list[list[str]]:
+    """Per peer process: its last ``lines`` stderr lines about rounds and joining (why a group broke, a wait)."""
+    return [[line for line in p.stderr_lines if "round" in line or "join" in line][-lines:] for p in procs]
+
+
 def steady_rounds(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
     """The rounds to count and their wall time: rounds 2..R-1, from when round 2's inner steps started to when round
     R's did, so that every counted round holds its whole period (its inner steps and all until the next round's

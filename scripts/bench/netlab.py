@@ -60,6 +60,7 @@ from benchlib import (  # noqa: E402
     Recorder,
     exit_on_sigterm,
     fill_defaults,
+    log_tail,
     overlap_label,
     read_jsonl,
     run_overrides,
@@ -259,7 +260,6 @@ def run_case(
     after = [lab.counters(k) for k in range(peers)]
     links = [{key: a[key] - b.get(key, 0) for key in a} for a, b in zip(after, before, strict=True)]
     stats = [analyse(read_jsonl(d / "metrics.jsonl"), rate) for d in dirs]
-    said = [[line for line in p.stderr_lines if "round" in line or "join" in line][-40:] for p in procs]
     ok = [s for s in stats if s is not None]
 
     def mean(key: str) -> float | None:
@@ -279,7 +279,7 @@ def run_case(
         "problem": problem,
         "measured": bool(ok),
         "per_peer": stats,
-        "log_tail": said,  # per peer: its last 40 lines about rounds and joining (why a group broke, a wait)
+        "log_tail": log_tail(procs),
         "links": links,
         "exits": [exits.get(k) for k in range(peers)],
         **{

@@ -45,6 +45,7 @@ from benchlib import (  # noqa: E402
     Recorder,
     exit_on_sigterm,
     fill_defaults,
+    log_tail,
     overlap_label,
     read_jsonl,
     run_overrides,
@@ -155,7 +156,6 @@ def run_case(
         for p in [*procs, boot]:
             p.kill_group()
     per_peer_stats = [analyse(read_jsonl(d / "metrics.jsonl")) for d in dirs]
-    said = [[line for line in p.stderr_lines if "round" in line or "join" in line][-40:] for p in procs]
     ok = [s for s in per_peer_stats if s is not None]
 
     def mean(key: str) -> float | None:
@@ -182,7 +182,7 @@ def run_case(
         "wall_seconds": time.monotonic() - t0,
         "problem": problem,
         "per_peer": per_peer_stats,
-        "log_tail": said,  # per peer: its last 40 lines about rounds and joining (why a group broke, a wait)
+        "log_tail": log_tail(procs),
         "utilisation_wall": mean("utilisation_wall"),
         "utilisation_wall_min": min((s["utilisation_wall"] for s in ok), default=None),
         "utilisation_rounds": mean("utilisation_rounds"),
