@@ -204,7 +204,7 @@ class Membership(Announcements):
             return True
         return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
-    def _readiness(self) -> tuple[int, list[float]]:
+    def _readiness(self, patience: float) -> tuple[int, list[float]]:
         """(how many live mates are ready for a round's matchmaking now, when the others will be), by their
         announced ``ready_at``: up to ``patience`` from now, or since at most ``swarm.matchmaking_time`` (still
         looking for a group), or not known yet, is now; later is later; longer ago means it has been averaging
@@ -215,9 +215,9 @@ class Membership(Announcements):
             at = v.get("ready_at", 0.0)
             if not v.get("live") or not isinstance(at, float):
                 continue
-            if at == 0.0 or now - window <= at <= now + self.patience:
+            if at == 0.0 or now - window <= at <= now + patience:
                 ready += 1
-            elif at > now + self.patience:
+            elif at > now + patience:
                 later.append(at - now)
         return ready, later
 
@@ -225,24 +225,15 @@ class Membership(Announcements):
         """How many peers will come to a round's matchmaking: us and the live peers with our settings that are ready
         by now (``_readiness``); a slower peer, whose inner steps end later, is not waited for. The averager
         assembles a group as soon as that many joined (swarm.target_group_size is only the cap)."""
-        return 1 + self._readiness()[0]
+        return 1 + self._readiness(self.patience)[0]
 
     def group_wait(self) -> float:
         """Seconds until the next live mate is ready, when none is ready now (its ``ready_at`` passed less than
         ``swarm.matchmaking_time`` ago, or is not known) but one will be: a peer whose round ended before its mates'
         waits for them, and a straggler that ended after their group formed waits for their next round instead of
         matchmaking alone; else 0. The averager asks again as it waits: the answer is an estimate."""
-        now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
-        later = []
-        for v in self.mates():
-            at = v.get("ready_at", 0.0)
-            if not v.get("live") or not isinstance(at, float):
-                continue
-            if at == 0.0 or now - window <= at <= now:
-                return 0.0
-            if at > now:
-                later.append(at - now)
-        return min(later, default=0.0)
+        ready, later = self._readiness(0.0)
+        return 0.0 if ready else min(later, default=0.0)
 
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
