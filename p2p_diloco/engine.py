@@ -98,6 +98,7 @@ class ReduceInfo:
     bytes_received: int = 0
     reason: str = ""
     gathered: Gathered = field(default_factory=Gathered)
+    ahead: RoundTag | None = None  # the swarm's state, when it was too far ahead of ours to look for a group
 
 
 class Reducer(Protocol):
@@ -460,7 +461,7 @@ class Worker:
         eval_sets: dict[str, torch.Tensor] | None = None,
     ) -> RoundResult | None:
         """Carry out ``decide``'s action for this round; a RoundResult when the outer state moved by it."""
-        decision = decide(mine.payload.tag, info.gathered, info.complete, rules)
+        decision = decide(mine.payload.tag, info.gathered, info.complete, rules, info.ahead)
         if decision.action is Action.LOCAL_STEP:
             averaged = mine.pseudo_grad  # whatever the group computed, a local step is our own
         done = self._carry_out(decision, averaged, info, sync)

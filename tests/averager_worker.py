@@ -15,7 +15,9 @@ optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off
 optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wait`` (the waits the host's
 ``group_wait`` stands for, one after the other, each from when it is first asked: ``s`` seconds, answered as the time
 left, or ``[s, real]``: said to be ``s`` seconds but over after ``real``, as an estimate of a mate's round end that
-comes early; then 0), ``out_dir``. The RESULT's ``looking`` counts the calls of the host's ``looking``.
+comes early; then 0), optional ``ahead`` (``[after, round, checksum]``: the host's ``swarm_ahead`` says the swarm holds
+that state from ``after`` seconds after it is first asked; before, and without it, nothing), ``out_dir``. The
+RESULT's ``looking`` counts the calls of the host's ``looking``.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
@@ -130,6 +132,16 @@ def main() -> None:
 
     averager.group_wait = group_wait
     averager.looking = lambda: looking.__setitem__(0, looking[0] + 1)
+    if cfg.get("ahead") is not None:
+        after, ahead_round, ahead_checksum = cfg["ahead"]
+        first_asked: list[float] = []
+
+        def swarm_ahead(mine: RoundTag) -> RoundTag | None:
+            """As Membership.ahead: the swarm's state once ``after`` seconds have passed since the first call."""
+            first_asked[:] = first_asked or [time.monotonic()]
+            return RoundTag(ahead_round, ahead_checksum) if time.monotonic() - first_asked[0] >= after else None
+
+        averager.swarm_ahead = swarm_ahead
     rnd, checksum = cfg.get("tag") or [0, "start"]
     steps = []
     original_step = averager.step

@@ -322,6 +322,26 @@ def test_a_waiting_peer_asks_again_and_joins_a_mate_that_is_ready_before_its_est
     assert re.search(r"waited [23]\.\ds for the next peer to be ready \(expected in 20\.0s\)", waited["reason"]), waited
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(60)
+def test_a_peer_the_swarm_has_left_behind_stops_waiting_and_looks_for_no_group(spawn):
+    """A peer waits for a mate said to be ready in 20 s; 1 s in, the host reads that the swarm holds round 5 (its
+    own state is round 0, max_staleness 0): its Δ could not count, so it stops waiting and returns its own Δ, with
+    the swarm's tag for the round to resync to (protocol.decide). Its next reduce looks for no group at all."""
+    (peer,) = start_swarm(spawn, 1, group_wait=[20.0], ahead=[1.0, 5, "cccc"], averager=FAST)
+    peer.send("REDUCE 1.0")
+    first = peer.expect("RESULT", 30)
+    info = first["info"]
+    assert not info["complete"] and info["attempts"] == 0 and info["ahead"] == {"round": 5, "checksum": "cccc"}, info
+    assert first["seconds"] < 1.0 + FAST["matchmaking_time"], first  # within a quarter of matchmaking_time of 1 s
+    assert "the swarm holds round 5 (cccc), past this peer's round 0 (start): no group looked for" in info["reason"]
+    assert_close(peer.result(), make_grads(0, SHAPES))
+    peer.send("REDUCE 1.0")
+    second = peer.expect("RESULT", 30)
+    assert second["info"]["ahead"] == info["ahead"] and second["info"]["attempts"] == 0, second
+    assert second["seconds"] < 1.0 and second["looking"] == first["looking"], second  # it did not say it was looking
+
+
 ODD_PAYLOADS = {
     "garbage": {"gather_garbage": {"v": 1, "round": "three", "checksum": ["x"], "tokens": -1}},
     # not signed by the key its peer id stands for: what a leader forging a member's payload would send

@@ -3,6 +3,7 @@ difference between a peer that is there and one that left (its announcement no l
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -74,22 +75,7 @@ def test_a_round_expects_the_mates_ready_now_and_waits_for_the_next_one_when_non
     from hivemind.utils.timed_storage import get_dht_time
 
     cfg = load_config(TINY, [])
-    keys = [Identity.load() for _ in range(3)]
-    for key in keys:
-        key.close()
-    nodes = []
-    try:
-        for key in keys:
-            nodes.append(
-                start_dht(
-                    visible_maddrs(nodes[0]) if nodes else [],
-                    new_swarm=not nodes,
-                    host_maddrs=LOCAL,
-                    join_timeout=10,
-                    record_validators=make_validators(cfg.swarm.run_id, key),
-                )
-            )
-        reader, fast, slow = (Membership(n, cfg, k, "fp", {"k": 1}) for n, k in zip(nodes, keys))
+    with _three_members(cfg) as ((reader, fast, slow), _):
         tag, window = RoundTag(2, "e" * 16), cfg.swarm.matchmaking_time
 
         def announce(member: Membership, ready_at: float) -> None:
@@ -114,6 +100,44 @@ def test_a_round_expects_the_mates_ready_now_and_waits_for_the_next_one_when_non
         while reader.group_wait() > 0.0 and get_dht_time() < deadline + 20:
             time.sleep(0.2)
         assert reader.group_wait() == 0.0 and reader.expected_members() == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_reads_that_the_swarm_has_left_it_behind_from_the_states_its_mates_vouch_for():
+    """``ahead``: the furthest state state_quorum mates vouch for, when it is more than max_staleness rounds past
+    ours (the averager then resyncs instead of looking for a group); one mate's own state is not enough."""
+    cfg = load_config(TINY, [])
+    with _three_members(cfg) as ((reader, one, other), keys):
+        tag, behind = RoundTag(2, "e" * 16), RoundTag(1, "a" * 16)
+        assert reader.ahead(RoundTag(0, "a" * 16)) is None  # nobody announced: nothing is known to be ahead
+        assert one.announce(tag) and other.announce(tag)
+        assert reader.ahead(behind) == tag and reader.ahead(RoundTag(0, "a" * 16)) == tag
+        assert reader.ahead(tag) is None and reader.ahead(RoundTag(2, "b" * 16)) is None  # not behind: a group decides
+        lenient = Membership(reader.dht, load_config(TINY, ["swarm.max_staleness=1"]), keys[0], "fp", {"k": 1})
+        assert lenient.ahead(behind) is None and lenient.ahead(RoundTag(0, "a" * 16)) == tag  # its Δ may count
+        assert one.announce(RoundTag(3, "f" * 16))  # only one peer vouches for it: not the swarm's
+        assert reader.ahead(behind) == tag and reader.ahead(tag) is None
+
+
+@contextlib.contextmanager
+def _three_members(cfg):
+    """Three DHT nodes on 127.0.0.1 with a Membership each (fingerprint "fp"; nothing announced yet), and their keys."""
+    keys = [Identity.load() for _ in range(3)]
+    for key in keys:
+        key.close()
+    nodes = []
+    try:
+        for key in keys:
+            nodes.append(
+                start_dht(
+                    visible_maddrs(nodes[0]) if nodes else [],
+                    new_swarm=not nodes,
+                    host_maddrs=LOCAL,
+                    join_timeout=10,
+                    record_validators=make_validators(cfg.swarm.run_id, key),
+                )
+            )
+        yield [Membership(n, cfg, k, "fp", {"k": 1}) for n, k in zip(nodes, keys, strict=True)], keys
     finally:
         for node in reversed(nodes):
             shutdown_dht(node)

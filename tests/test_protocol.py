@@ -109,6 +109,18 @@ def test_every_member_of_a_group_decides_consistently():
     assert decisions[A5].out_of_sync == 3
 
 
+def test_a_peer_the_swarm_left_behind_resyncs_and_one_within_max_staleness_does_not():
+    """``ahead`` (the swarm's state, read before looking for a group): past max_staleness the round resyncs with
+    the reason; within it, or when the reduce was complete anyway, the usual rules decide."""
+    behind = decide(A4, group(A4), False, STRICT, ahead=A5)
+    assert (behind.action, behind.counts, behind.majority) == (Action.RESYNC, False, A5), behind
+    assert "the swarm holds round 5 (aaaa), 1 round(s) past this peer's (round 4 (aaaa))" in behind.reason
+    assert decide(A3, group(A3), False, LOCAL, ahead=A5).action is Action.RESYNC
+    assert decide(A4, group(A4), False, LOCAL, ahead=A5).action is Action.LOCAL_STEP  # its Δ may still count
+    assert decide(A4, group(A4), False, RoundRules(1, "wait"), ahead=A5).action is Action.DISCARD
+    assert decide(A5, group(A5, A5), True, STRICT, ahead=A6).action is Action.APPLY  # a group formed: it decides
+
+
 def test_reasons_name_what_happened():
     assert "2 round(s) behind" in decide(A3, group(A3, A5, A5), True, LOCAL).reason
     assert "ahead" in decide(A6, group(A6, A5, A5), True, LOCAL).reason

@@ -116,7 +116,7 @@ from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of 
 from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, PayloadBytes, WireCodec
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.identity import Identity, peer_id_of, verify
-from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules
+from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, RoundTag
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
@@ -261,6 +261,10 @@ class PseudoGradAverager(DecentralizedAverager):
         # called as reduce begins and every quarter of matchmaking_time while it waits, so that mates ending their
         # rounds meanwhile expect it, rather than reading its round's end as "averaging since"
         self.looking: Callable[[], None] | None = None
+        # host side: the swarm's state when it is more than max_staleness rounds past the given tag (ours), else None
+        # (e.g. Membership.ahead); asked as reduce begins and while it waits: a peer the swarm has left behind looks
+        # for no group, since its Δ would not count and its joining would split its mates' group
+        self.swarm_ahead: Callable[[RoundTag], RoundTag | None] | None = None
         self._closing = threading.Event()
         if start:
             self.run_in_background(await_ready=True, timeout=60)
@@ -335,9 +339,11 @@ class PseudoGradAverager(DecentralizedAverager):
             info.group_size, info.reason = 1, NO_REACHABLE_MEMBER
             return [g.clone() for g in grads], info
         attempt_budget = 2 * self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
-        self._say_looking()
-        self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes)
-        while info.attempts < self.max_reduce_attempts:
+        mine = payload.tag if isinstance(payload, GatherPayload) else None
+        if not self._left_behind(mine, info):
+            self._say_looking()
+            self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes, mine)
+        while info.ahead is None and info.attempts < self.max_reduce_attempts:
             if info.attempts and time.monotonic() + attempt_budget > start + self.round_deadline:
                 notes.append(f"no time for attempt {info.attempts + 1} within round_deadline={self.round_deadline}s")
                 break
@@ -348,19 +354,26 @@ class PseudoGradAverager(DecentralizedAverager):
                 return averaged, info
             notes.append(f"attempt {info.attempts}: {why}")
             # nobody came, but peers will be ready later (they began their round while we looked): wait, retry
-            if not retry and not self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes):
+            if self._left_behind(mine, info):
                 break
+            if not retry and not self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes, mine):
+                break
+        if info.ahead is not None:
+            notes.append(f"the swarm holds {info.ahead}, past this peer's {mine}: no group looked for")
         info.group_size, info.complete, info.reason = 1, False, "; ".join(notes)
         return [g.clone() for g in grads], info
 
-    def _wait_for_group(self, until: float, info: ReduceInfo, notes: list[str]) -> bool:
+    def _wait_for_group(self, until: float, info: ReduceInfo, notes: list[str], mine: RoundTag | None) -> bool:
         """Wait while no mate is ready but one will be (``group_wait``), if that is before ``until`` (monotonic).
         The mates' round ends are estimates, revised as they go and early when they speed up, so the wait asks
         again every quarter of matchmaking_time, and says meanwhile that we are looking (``looking``): a mate that
-        ends its round during the wait then expects us, and we join it within that quarter. The wait counts as
-        matchmaking. Whether it waited."""
+        ends its round during the wait then expects us, and we join it within that quarter. The wait ends early
+        when the swarm has left ``mine`` behind (``_left_behind``). The wait counts as matchmaking. Whether it
+        waited, and may look for a group now."""
         began, expected = time.monotonic(), 0.0
         while not self._closing.is_set():
+            if expected and self._left_behind(mine, info):
+                break
             delay = self._ask_group_wait()
             if delay <= 0.0 or time.monotonic() + delay > until:
                 break
@@ -374,7 +387,22 @@ class PseudoGradAverager(DecentralizedAverager):
             return False
         info.matchmaking_seconds += waited
         notes.append(f"waited {waited:.1f}s for the next peer to be ready (expected in {expected:.1f}s)")
-        return not self._closing.is_set()
+        return not self._closing.is_set() and info.ahead is None
+
+    def _left_behind(self, mine: RoundTag | None, info: ReduceInfo) -> bool:
+        """Whether the swarm holds a state too far past ``mine`` for our Δ to count (``swarm_ahead``; it goes to
+        ``info.ahead``); False when that is not known."""
+        if self.swarm_ahead is None or mine is None:
+            return False
+        try:
+            ahead = self.swarm_ahead(mine)
+        except Exception as exc:  # noqa: BLE001 - not knowing where the swarm is: look for a group as before
+            log.debug("where the swarm is is unknown (%r)", exc)
+            return False
+        if isinstance(ahead, RoundTag) and ahead.round > mine.round + self.rules.max_staleness:
+            info.ahead = ahead
+            log.info("the swarm holds %s, past this peer's %s: resyncing instead of looking for a group", ahead, mine)
+        return info.ahead is not None
 
     def _ask_group_wait(self) -> float:
         """``group_wait``'s answer; 0 when there is none or it fails (then matchmaking goes ahead now)."""

@@ -8,7 +8,9 @@ Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint``
          it holds, and ``client`` when it runs in client mode (it vouches, but is no donor and leads and reduces
          nothing); refreshed after every change of the state and every round) and the others' announcements
          (``vouches``: what sync.py's downloads trust; ``Announcements`` is that reading side alone, for a reader
-         that announces nothing: the monitor's samples, monitor_samples.py); ``first_state``: the worker holds its
+         that announces nothing: the monitor's samples, monitor_samples.py; ``ahead``: the swarm's state when it has
+         left ours too far behind to average with it, which the averager asks before it looks for a group);
+         ``first_state``: the worker holds its
          starting outer state (checkpoint, seed or the swarm's) when it returns; ``wait_for_start_peers``: holds
          round 1 until ``swarm.start_peers`` peers are up. In a closed run only the listed peers' announcements count.
 State:   our recent tags; the DHT entries, which expire ``swarm.record_ttl`` after the last announcement.
@@ -234,6 +236,16 @@ class Membership(Announcements):
         matchmaking alone; else 0. The averager asks again as it waits: the answer is an estimate."""
         ready, later = self._readiness(0.0)
         return 0.0 if ready else min(later, default=0.0)
+
+    def ahead(self, mine: RoundTag) -> RoundTag | None:
+        """The furthest state that ``swarm.state_quorum`` mates vouch for (or all there are, when fewer) and a live
+        one holds, when it is more than ``swarm.max_staleness`` rounds past ``mine``: the swarm has averaged on
+        without us, so our next Δ would not count in its groups (the averager then resyncs instead of looking for
+        one); else None."""
+        offers = self.vouches().offers(self.cfg.swarm.state_quorum, None)
+        if offers and offers[0][0].round > mine.round + self.cfg.swarm.max_staleness:
+            return offers[0][0]
+        return None
 
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and

@@ -186,6 +186,7 @@ class TrainingPeer:
         self.averager.reachable_members = members.reachable_members
         self.averager.group_wait = members.group_wait
         self.averager.looking = members.looking
+        self.averager.swarm_ahead = members.ahead
         self.sync = sync = StateSync(
             worker,
             self.averager,

@@ -30,6 +30,9 @@ payloads, so every member of a group reaches the same view of who counts. Its ta
               (unless one is the furthest round and the                   Δ counts in the group's mean
               others at most MAX_STALENESS behind it: then
               it is the majority)
+  incomplete  the swarm is ahead: a state that state_quorum  resync      no        not sent to any group (it would
+              peers vouch for is more than max_staleness                          not count, and would split the
+              rounds past ours (``ahead``, from the DHT)                          mates' group); download the state
   incomplete  alone, no group, or a failed all-reduce        local_step  own Δ     alone_policy local: outer step
                                                                                   with the own Δ, then take a
                                                                                   peer's state that got further
@@ -231,10 +234,17 @@ def _alone(why: str, rules: RoundRules, counts: bool) -> Decision:
     return Decision(Action.LOCAL_STEP, f"{why}; taking a local outer step with the own Δ", counts)
 
 
-def decide(mine: RoundTag, gathered: Gathered, complete: bool, rules: RoundRules) -> Decision:
-    """The one decision of a round for the peer holding ``mine``; see the module docstring for the table."""
+def decide(
+    mine: RoundTag, gathered: Gathered, complete: bool, rules: RoundRules, ahead: RoundTag | None = None
+) -> Decision:
+    """The one decision of a round for the peer holding ``mine``; see the module docstring for the table.
+    ``ahead``: the swarm's state, when the reduce found it more than ``max_staleness`` rounds past ``mine`` and
+    so looked for no group (swarm/averager.py)."""
     dropped = f"; {gathered.malformed} malformed payload(s) dropped" if gathered.malformed else ""
     if not complete:
+        if ahead is not None and ahead.round - mine.round > rules.max_staleness:
+            reason = f"the swarm holds {ahead}, {ahead.round - mine.round} round(s) past this peer's ({mine}): resync"
+            return Decision(Action.RESYNC, reason, False, ahead)
         return _alone("no complete all-reduce", rules, True)
     top = majority_tag(gathered) if gathered.payloads else mine
     if top is None:
