@@ -157,7 +157,9 @@ class SwarmConfig:
     # short rounds): small at 100 Mbit/s went from 84% to 96% compute utilisation (BENCHMARKS.md items 3 and 7). With
     # fixed H, use it with even rounds (inner.round_seconds, or peers of equal speed): peers whose rounds end more
     # than matchmaking_time apart have split an eager swarm into states that never agreed again (docs/compression.md).
-    # Not part of the fingerprint: the replicated state moves the same either way.
+    # delayed: as eager, from the anchor as it is (no look-ahead), Δ̄ applied when settled (one round late at τ = H);
+    # measured against eager in docs/compression.md. Not part of the fingerprint: the replicated state moves the same
+    # either way.
     overlap: str = "none"
     # eager: inner steps of the next round before the group's Δ̄ is settled (τ): the time the exchange has (the peer
     # waits there for the rest). Each look-ahead step costs a little quality: at equal tokens (int8, mean ratio to
@@ -235,7 +237,7 @@ _CHOICES = {
     "swarm.alone_policy": ("local", "wait"),
     "swarm.aggregation": ("mean", "median_filter", "median_clip", "centered_clip"),  # = robust.RULES
     "swarm.compression": ("none", "fp16", "bf16", "int8"),  # = codec.CODECS
-    "swarm.overlap": ("none", "eager"),
+    "swarm.overlap": ("none", "eager", "delayed"),
     "logging.wandb_mode": ("offline", "online"),
 }
 

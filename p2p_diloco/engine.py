@@ -27,6 +27,8 @@ measured from the state it is tagged with. With the exchange done within those �
 that τ steps of each round run from x̂_t, not x_t (Streaming DiLoCo, arXiv 2501.18512, likewise trains on while a
 synchronisation is in flight and merges the local parameters with the synchronised ones when it arrives). With τ =
 0, or with the group's Δ̄ for the look-ahead, it would be the blocking round.
+delayed: as eager, but round t+1's inner steps start from x_{t-1}, the anchor as it is (no look-ahead), and Δ̄_t is
+applied when settled: with τ = H, one round late (the baseline that eager updates improve on, arXiv 2502.12996).
 ``launch`` sends Δ, tagged with the state it was measured from (the one its Δ̄ is applied to). The outer state, its
 checksum, the vote, catch-up, resync and checkpoints see only the replicated state, so they work as without
 overlap; after a download (``load_state``) while an exchange is in flight, the steps taken from the downloaded
@@ -540,9 +542,14 @@ class Worker:
     def launch(self, mine: Contribution, send: Callable[[Contribution], Future]) -> Contribution:
         """Eager: send ``mine`` (tagged with the outer state its Δ was measured from, the one the group's Δ̄ will be
         applied to), and start the next inner steps from the look-ahead: the outer step with our own Δ in place of
-        the group's, on a copy (``start``, kept for the correction ``drain`` makes)."""
+        the group's, on a copy (``start``, kept for the correction ``drain`` makes). Delayed: from a copy of the
+        anchor."""
         outer = self.cfg.outer
-        self.start = self.state.ahead(mine.pseudo_grad, self.outer_lr(self.state.round), outer.momentum, outer.nesterov)
+        if self.cfg.swarm.overlap == "delayed":  # from the anchor as it is: Δ̄ comes in when settled
+            self.start = [a.clone() for a in self.state.anchor]
+        else:
+            lr = self.outer_lr(self.state.round)
+            self.start = self.state.ahead(mine.pseudo_grad, lr, outer.momentum, outer.nesterov)
         self.reset_params()
         self.pending = Pending(mine, send(mine))
         return mine

@@ -365,6 +365,35 @@ def test_eager_overlap_settles_after_overlap_steps_and_carries_the_steps_since_o
     assert all(torch.equal(a, p) for a, p in zip(worker.state.anchor, _params(worker.model)))  # no step since
 
 
+def test_delayed_overlap_trains_on_from_the_anchor_and_applies_the_groups_mean_when_settled():
+    """swarm.overlap delayed, H 3, overlap_steps 2: round 2's steps start from the anchor as it is (no look-ahead);
+    after 2 of them the group's Δ̄ moves the outer state exactly as without overlap, and θ becomes the new anchor
+    plus overlap_carry (0.25) x those steps' displacement from the old one. A worker doing that by hand ends bitwise
+    equal."""
+    delayed = ["swarm.overlap=delayed", "swarm.overlap_steps=2", "swarm.overlap_carry=0.25"]
+    cfg = load_config(TINY, ["inner.steps=3", "train.rounds=3", *delayed, *FAST])
+    worker, ref = Worker(cfg, 257, _batches(2)), Worker(cfg, 257, _batches(2))
+    assert worker.run_round(_SelfReducer(), RoundRules()) is None and worker.in_flight == 1
+    anchor = [a.clone() for a in worker.state.anchor]
+    assert worker.state.round == 0 and all(torch.equal(a, p) for a, p in zip(anchor, _params(worker.model)))
+
+    ref_delta = ref.contribute().pseudo_grad
+    ref.reset_params()  # θ ← the anchor, as the delayed worker's next steps start
+    ref.inner.run(ref.batches, 2, 3, ref.autocast, ref.device)
+    expected = ref.state.copy()
+    expected.apply(ref_delta, ref.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)  # Δ̄ of a group of one
+    with torch.no_grad():
+        for p, e, a in zip(ref.model.parameters(), expected.anchor, anchor):
+            p.copy_(e + 0.25 * (p - a))
+    ref.inner.run(ref.batches, 1, 5, ref.autocast, ref.device)
+
+    result = worker.run_round(_SelfReducer(), RoundRules())
+    assert result is not None and result.outer_step == 1 and worker.state.checksum() == expected.checksum()
+    round2 = worker.pending.mine.pseudo_grad
+    assert all(torch.equal(d, a - p) for d, a, p in zip(round2, expected.anchor, _params(ref.model)))
+    worker.drain(RoundRules())
+
+
 def test_eager_with_one_worker_and_plain_outer_sgd_is_plain_adamw():
     """Invariant 1 holds with overlap too: one worker, outer lr 1, no momentum, all carried (overlap_carry 1): the
     look-ahead is θ itself and the correction is zero, so R rounds of H steps are R x H steps of AdamW, whatever
@@ -417,7 +446,8 @@ def test_eager_with_overlap_steps_0_settles_after_as_many_steps_as_the_last_exch
         pace = worker.pending.mine.inner.seconds / 12
         result = worker.run_round(reducer, RoundRules())  # round 1 settled after 1 step; round 2 sent
         assert result.reduce.overlap_steps == 1 and result.record()["overlap_steps"] == 1
-        assert worker.overlap_steps == 2  # it was done at once: one step and one to spare
+        # it was done at once: one step and one to spare (a step more when a loaded machine runs its thread late)
+        assert worker.overlap_steps in (2, 3), worker.overlap_steps
         reducer.delay = 5 * pace  # round 2's exchange takes about 5 steps
         result = worker.run_round(reducer, RoundRules())  # settled after 2 steps, waiting for the rest
         assert result.reduce.overlap_steps == 2 and result.reduce.wait_seconds > 0
@@ -426,7 +456,7 @@ def test_eager_with_overlap_steps_0_settles_after_as_many_steps_as_the_last_exch
         reducer.delay = 0.0
         result = worker.run_round(reducer, RoundRules())  # round 3's exchange, given `slow` steps
         assert result.reduce.overlap_steps == slow
-        assert worker.overlap_steps == 2
+        assert worker.overlap_steps in (2, 3) and worker.overlap_steps < slow, (worker.overlap_steps, slow)
         worker.drain(RoundRules())
     finally:
         worker.close()

@@ -98,8 +98,8 @@ def finish(procs, timeout: float) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("compression", "overlap", "tolerance"),
-    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("int8", "eager", 1e-4)],
-    ids=["fp32-blocking", "fp32-eager", "int8-eager"],
+    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("none", "delayed", 1e-5), ("int8", "eager", 1e-4)],
+    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "int8-eager"],
 )
 def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, compression, overlap, tolerance):
     """Bitwise agreement of every member every round, bytes as the codec encodes them, and the simulator's result.
@@ -113,7 +113,7 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
         "swarm.start_peers=3",
         f"swarm.compression={compression}",
         f"swarm.overlap={overlap}",
-        "swarm.overlap_steps=2",  # eager: round r's Δ̄ is settled after 2 of round r+1's 5 inner steps
+        "swarm.overlap_steps=2",  # eager, delayed: round r's Δ̄ is settled after 2 of round r+1's 5 inner steps
     ]
     dirs = [tmp_path / f"peer{k}" for k in range(3)]
     peers = [start_peer(spawn, initial, d, *rounds, f"data.shard_index={k}") for k, d in enumerate(dirs)]

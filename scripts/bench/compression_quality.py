@@ -17,6 +17,8 @@ steps per worker (equal tokens). Cases per preset:
             int8 at every τ of ``--taus``
     every other seed of ``--seeds``: blocking none, blocking int8, eager int8 at τ_rec (the key comparisons, to see
             the seed-to-seed noise)
+    with ``--delayed``, also: delayed int8 (engine.py: eager without the look-ahead) at τ_rec on every seed, and at
+            τ = H (Δ̄ one round late) on seed 0
 τ_rec is ``--tau-rec`` (default 10; the simulator's exchange takes no time, so a case sets τ: the swarm's default
 ``swarm.overlap_steps`` 0 adapts it to the measured exchange). Each case's final eval loss is compared with
 the blocking none run of the same preset and seed ("ratio"); the seeds table gives each combination's mean ratio. A
@@ -105,20 +107,23 @@ class Case:
     overlap: str
     tau: int  # swarm.overlap_steps (0 for blocking)
     seed: int
-    role: str  # why it is in the plan: codec, eager, tau, seed
+    role: str  # why it is in the plan: codec, eager, tau, seed, delayed
 
     @property
     def name(self) -> str:
-        over = f"+eager{self.tau}" if self.overlap == "eager" else ""
+        over = f"+{self.overlap}{self.tau}" if self.overlap != "none" else ""
         return f"{self.preset}/{self.compression}{over}/s{self.seed}"
 
     def key(self) -> tuple[str, str, str, int, int]:
         return (self.preset, self.compression, self.overlap, self.tau, self.seed)
 
 
-def plan(preset: str, taus: list[int], tau_rec: int, seeds: list[int]) -> list[Case]:
-    """The module doc's cases for one preset, seed 0 first."""
+def plan(preset: str, taus: list[int], tau_rec: int, seeds: list[int], delayed: int = 0) -> list[Case]:
+    """The module doc's cases for one preset, seed 0 first; ``delayed``: H, to add the delayed cases (0: none)."""
     out: list[Case] = []
+    if delayed:
+        out += [Case(preset, "int8", "delayed", tau_rec, seed, "delayed") for seed in seeds]
+        out.append(Case(preset, "int8", "delayed", delayed, seeds[0], "delayed"))
     for seed in seeds:
         if seed == seeds[0]:
             out += [Case(preset, c, "none", 0, seed, "codec") for c in ("none", "fp16", "bf16", "int8")]
@@ -138,7 +143,7 @@ def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
     rounds = args.rounds or spec["rounds"]
     h = args.h or spec["h"]
     base = SMOKE_OVERRIDES if args.smoke else spec["overrides"]
-    eager = [f"swarm.overlap_steps={case.tau}"] if case.overlap == "eager" else []
+    eager = [f"swarm.overlap_steps={case.tau}"] if case.overlap != "none" else []
     return [
         *base,
         *args.overrides,
@@ -265,7 +270,7 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def setting(compression: str, overlap: str, tau: int) -> str:
-    return f"{compression}" + (f" + eager τ={tau}" if overlap == "eager" else "")
+    return f"{compression}" + (f" + {overlap} τ={tau}" if overlap != "none" else "")
 
 
 def tables(records: dict[tuple, dict[str, Any]], presets: list[str]) -> str:
@@ -330,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--resume", action="store_true", help="keep the finished cases of the --out file that have the same settings"
     )
+    p.add_argument("--delayed", action="store_true", help="also the delayed overlap cases (module doc)")
     p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
     args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
     exit_on_sigterm()
@@ -360,7 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         queue = [
             c
             for preset in sorted(args.preset, key=lambda n: n != "small")
-            for c in plan(preset, settings[preset]["taus"], tau_rec, settings[preset]["seeds"])
+            for c in plan(
+                preset,
+                settings[preset]["taus"],
+                tau_rec,
+                settings[preset]["seeds"],
+                settings[preset]["h"] if args.delayed else 0,
+            )
         ]
     records: dict[tuple, dict[str, Any]] = {}
     rec.data.update(complete=False, workers=WORKERS, presets=settings, cases=[])
