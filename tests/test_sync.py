@@ -98,6 +98,18 @@ def test_a_state_only_one_peer_vouches_for_is_never_downloaded(caplog):
     assert any("fewer than 2 peers vouch" in r.getMessage() and "1000000" in r.getMessage() for r in caplog.records)
 
 
+def test_a_download_whose_holders_moved_on_meanwhile_takes_the_state_they_vouch_for_next():
+    """The swarm vouched for round 5 as we read it, but its holders serve round 6 by the time we ask (rounds of a
+    second or two): refused, so the vouches are read again, and round 6, vouched for by then, is downloaded."""
+    worker, _, _ = _setup({}, Vouches())
+    old, new = _trained(worker, 5), _trained(worker, 6, scale=2e-3)
+    reads = iter([_vouch(a=(_tag(old), []), b=(_tag(old), [])), _vouch(a=(_tag(new), [_tag(old)]), b=(_tag(new), []))])
+    worker, donors, _ = _setup({"a": _served(new), "b": _served(new)}, Vouches())
+    sync = StateSync(worker, donors, "fp", 5.0, lambda: True, vouches=lambda: next(reads), quorum=2)
+    assert sync.download() and _tag(worker.state) == _tag(new)
+    assert next(reads, None) is None  # read twice: once more after the first offer failed
+
+
 def test_a_holder_serving_other_bytes_or_a_false_manifest_is_refused_and_the_state_comes_from_the_others(caplog):
     caplog.set_level(logging.WARNING, logger="p2p_diloco.sync")
     worker, _, _ = _setup({}, Vouches())

@@ -130,6 +130,9 @@ class StateSync:
     """The outer state of one peer: every change and every download goes through here (see the module doc)."""
 
     CATCH_UP_RETRY = 1.0  # seconds before a catch-up asks the group's members again
+    # a download whose donors all moved on meanwhile (rounds of a second or two) reads the vouches again, this many
+    # times at most, this long after the failure (their new state is announced once it is hashed)
+    MOVED_ON_RETRIES, MOVED_ON_PAUSE = 3, 0.5
 
     def __init__(
         self,
@@ -180,9 +183,26 @@ class StateSync:
     # ---------------------------------------------------------------- fetching
     def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True) -> Offer | None:
         """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts and that is not ours, in
-        pieces from its holders (``fetch_vouched``); None (logged) when there is none within ``swarm.state_timeout``."""
-        vouches, mine, shapes = self.vouches(), self.tag(), self.worker.state.tensors()
-        return fetch_vouched(self.averager, vouches, shapes, self.fingerprint, self.quorum, self.timeout, wanted, mine)
+        pieces from its holders (``fetch_vouched``); None (logged) when there is none within ``swarm.state_timeout``.
+        When every state offered failed, e.g. its holders moved on to the next round's while we asked, it reads the
+        vouches again and tries the states offered since (MOVED_ON_RETRIES times at most)."""
+        deadline, tried, shapes = time.monotonic() + self.timeout, set(), self.worker.state.tensors()
+        untried = lambda tag: tag not in tried and wanted(tag)  # noqa: E731
+        for attempt in range(1 + self.MOVED_ON_RETRIES):
+            if attempt:
+                time.sleep(self.MOVED_ON_PAUSE)
+            vouches, mine = self.vouches(), self.tag()
+            offered = {tag for tag, _ in vouches.offers(self.quorum, mine) if tag != mine and untried(tag)}
+            left = deadline - time.monotonic()
+            if not offered or left <= 0:
+                return None
+            if attempt:
+                log.info("the state's holders moved on: trying %s", ", ".join(map(str, sorted(offered))))
+            got = fetch_vouched(self.averager, vouches, shapes, self.fingerprint, self.quorum, left, untried, mine)
+            if got is not None:
+                return got
+            tried |= offered
+        return None
 
     def vouched_past(self, round: int) -> bool:
         """Whether the swarm vouches for a state some peer holds past ``round`` (one worth waiting for)."""

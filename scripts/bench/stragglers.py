@@ -56,7 +56,7 @@ from scripts.procs import Throttle  # noqa: E402
 TINY = "configs/tiny.yaml"
 DEFAULTS = {"peers": 3, "seconds": 120.0, "slowdown": 3.0, "h": 25, "round_seconds": 1.5, "max_steps": 40}
 SMOKE_CASES = (1, 3, 4)  # --smoke runs the swarms with a slow peer only (fixed H, round_seconds, counted)
-SMOKE = {"peers": 2, "seconds": 6.0, "slowdown": 3.0, "h": 5, "round_seconds": 2.0, "max_steps": 40}
+SMOKE = {"peers": 2, "seconds": 9.0, "slowdown": 3.0, "h": 5, "round_seconds": 2.0, "max_steps": 40}
 COUNTED = ("apply", "catch_up")
 STALE = "swarm.max_staleness=4"  # a 3x slower peer reaches a group 2-3 rounds behind: its Δ counts (protocol.py)
 
