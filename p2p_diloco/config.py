@@ -155,8 +155,8 @@ class SwarmConfig:
     # ended at 1.0074 (tiny, 3 seeds) and 1.0080 (small, 2 seeds) of blocking's loss, up to 1.018 in one seed
     # (docs/compression.md); turn it on where the exchange takes more than ~1% of a round (home links, big models,
     # short rounds): small at 100 Mbit/s went from 84% to 96% compute utilisation (BENCHMARKS.md items 3 and 7). With
-    # fixed H, use it with even rounds (inner.round_seconds, or peers of equal speed): peers whose rounds end more
-    # than matchmaking_time apart have split an eager swarm into states that never agreed again (docs/compression.md).
+    # fixed H, use it with even rounds (inner.round_seconds, or peers of equal speed): a peer whose rounds end more
+    # than matchmaking_time after its mates' misses their groups and resyncs (docs/compression.md).
     # delayed: as eager, from the anchor as it is (no look-ahead), Δ̄ applied when settled (one round late at τ = H);
     # measured against eager in docs/compression.md. Not part of the fingerprint: the replicated state moves the same
     # either way.
