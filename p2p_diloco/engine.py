@@ -82,7 +82,7 @@ class ReduceInfo:
     ``gathered`` maps each group member's peer id to its gather payload; ``reason`` says why the result is
     local, or notes earlier failed attempts. Seconds and bytes are summed over attempts: ``check_seconds``
     validating the input (shapes, finite, fp32 CPU), ``copy_seconds`` moving it into the transport's buffers and
-    the result back out (with its finite check), ``matchmaking_seconds`` forming the group, ``allreduce_seconds``
+    the result's finite check, ``matchmaking_seconds`` forming the group, ``allreduce_seconds``
     the exchange itself and the completeness vote; ``wait_seconds`` is how long the worker's training waited for
     the result (all of the reduce with ``swarm.overlap`` none; only what the next inner steps did not hide, eager).
     """
@@ -108,7 +108,8 @@ class Reducer(Protocol):
         self, pseudo_grads: list[torch.Tensor], weight: float, payload: GatherPayload
     ) -> tuple[list[torch.Tensor], ReduceInfo]:
         """The weighted mean of the group's pseudo-gradients (same shapes, fp32 CPU) and what the reduce did;
-        ``payload`` reaches every member, and ``ReduceInfo.gathered`` holds every member's."""
+        ``payload`` reaches every member, and ``ReduceInfo.gathered`` holds every member's. The mean may be the
+        reducer's own buffers (the swarm's averager): valid until the next ``reduce``, which settles it first."""
         ...
 
 

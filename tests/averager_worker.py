@@ -17,7 +17,8 @@ optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wai
 left, or ``[s, real]``: said to be ``s`` seconds but over after ``real``, as an estimate of a mate's round end that
 comes early; then 0), optional ``ahead`` (``[after, round, checksum]``: the host's ``swarm_ahead`` says the swarm holds
 that state from ``after`` seconds after it is first asked; before, and without it, nothing), ``out_dir``. The
-RESULT's ``looking`` counts the calls of the host's ``looking``.
+RESULT's ``looking`` counts the calls of the host's ``looking``; its ``in_place`` says whether the
+result is the averager's shared buffers themselves.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
 ``REDUCE <weight>`` -> ``RESULT {json}`` (tensors saved to out_dir/result.pt); ``NAN`` -> ``NAN {json}``;
@@ -166,11 +167,22 @@ def main() -> None:
                 payload = _Garbage(cfg["gather_garbage"])
             averaged, info = averager.reduce(grads, weight * cfg.get("weight_scale", 1.0), payload)
             seconds = time.monotonic() - t0
+            with averager.get_tensors() as buffers:  # a group's mean is handed over in place, not copied
+                in_place = all(a is b for a, b in zip(averaged, buffers, strict=True))
             torch.save(averaged, os.path.join(out_dir, "result.pt"))
             payloads = {p: g.to_wire() for p, g in info.gathered.payloads.items()}
             gathered = {"payloads": payloads, "malformed": info.gathered.malformed}
             report = {**dataclasses.asdict(info), "gathered": gathered}
-            emit("RESULT", {"info": report, "seconds": seconds, "peer_id": str(dht.peer_id), "looking": looking[0]})
+            emit(
+                "RESULT",
+                {
+                    "info": report,
+                    "seconds": seconds,
+                    "peer_id": str(dht.peer_id),
+                    "looking": looking[0],
+                    "in_place": in_place,
+                },
+            )
         elif cmd == "NAN":
             bad = [g.clone() for g in grads]
             bad[-1].view(-1)[0] = float("nan")

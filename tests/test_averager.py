@@ -146,6 +146,7 @@ def test_three_peers_get_the_weighted_mean(spawn, compression):
         assert info["complete"] and info["group_size"] == 3 and info["attempts"] >= 1, info["reason"]
         assert sorted(p["tokens"] for p in info["gathered"]["payloads"].values()) == [1, 2, 5]  # every member's payload
         assert info["bytes_sent"] > 0 and info["matchmaking_seconds"] >= 0 and info["allreduce_seconds"] > 0
+        assert res["in_place"], res  # the mean is handed over in the shared buffers, not copied out
         assert_close(peer.result(), expected, atol)
     first = peers[0].result()
     for peer in peers[1:]:  # bitwise the same on every member, whatever the codec
@@ -388,6 +389,7 @@ def test_alone_peer_returns_local_values_quickly(lone_peer):
     info = res["info"]
     assert not info["complete"] and info["group_size"] == 1 and info["attempts"] == 1, info
     assert "no group" in info["reason"], info
+    assert not res["in_place"], res  # its own Δ, as a copy the next reduce does not overwrite
     assert res["seconds"] < 2 * averager["matchmaking_time"] + averager["request_timeout"] + 1.0, res
     assert all(torch.equal(a, b) for a, b in zip(peer.result(), make_grads(7, SHAPES), strict=True))
 

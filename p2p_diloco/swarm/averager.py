@@ -11,8 +11,9 @@ Inputs:  ``reduce(pseudo_grads, weight, payload)``: one fp32 CPU tensor per para
          counted (a leader relays the group's payloads: it can drop one, never forge one). ``authorized``: the
          peer ids of a closed run (None: open).
 Output:  ``(averaged, ReduceInfo)``: EITHER the weighted mean over a group where every member contributed
-         and received every part (``complete``; bitwise equal on all members), OR copies of the local
-         pseudo-grads (``complete`` False, ``group_size`` 1, ``reason`` says why). Never a partial mean.
+         and received every part (``complete``; bitwise equal on all members; the shared-memory buffers
+         themselves, not a copy: read them before the next ``reduce``, which overwrites them), OR copies of the
+         local pseudo-grads (``complete`` False, ``group_size`` 1, ``reason`` says why). Never a partial mean.
          ``ReduceInfo.gathered`` holds the members' payloads, parsed once in the averager process (malformed
          entries dropped and counted). A member whose Δ does not count (``protocol.decide``) sends weight 0.
 State:   hivemind's averager child process with the shared-memory buffers (overwritten by each attempt);
@@ -492,8 +493,8 @@ class PseudoGradAverager(DecentralizedAverager):
         if not out["complete"]:
             return None, f"incomplete all-reduce in a group of {out['group_size']}: {out['reason']}", True
         t0 = time.monotonic()
-        with self.get_tensors() as shared:
-            averaged = [buf.clone() for buf in shared]
+        with self.get_tensors() as shared:  # the mean itself, not a copy: nothing writes there until our next step
+            averaged = list(shared)
         finite = all(is_finite(t) for t in averaged)
         info.copy_seconds += time.monotonic() - t0
         if not finite:

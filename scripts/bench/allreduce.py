@@ -20,8 +20,9 @@ same n processes. Three measurements, all in the same processes:
 1. fp32 sweep (codec none; every size in ``--sizes``, every n in ``--peers``). Per size and repeat, every worker:
   A. gloo barrier, then ``averager.reduce([Δ], weight=1, payload)`` (its payload declares that weight;
      matchmaking + butterfly all-reduce + the completeness vote); the wall time of the call, and its phases
-     as ReduceInfo reports them: input checks (``check_seconds``), copies into the shared buffers and of the
-     result out (``copy_seconds``),
+     as ReduceInfo reports them: input checks (``check_seconds``), the copy into the shared buffers and the
+     result's finite check (``copy_seconds``; until the result was handed over in place, also its copy out: the
+     rows of results/allreduce.json, see its supplementary ``result_in_place``),
      ``matchmaking_seconds``, ``allreduce_seconds``; the wall time not in any of them is kept as ``unaccounted``;
   B. gloo barrier, then ``dist.all_reduce`` of the same fp32 tensor (the reference), and checks that
      gloo's mean equals hivemind's (max abs difference recorded).
@@ -486,7 +487,7 @@ def summarise(world: int, size: int, recs: list[dict[str, Any]], codec: str = "n
         "tcp_bytes": mean(r["tcp_bytes"] for r in every),
         "estimate_bytes": mean(r["estimate_bytes"] for r in every),
         "gloo_tcp_bytes": mean(r["gloo_tcp_bytes"] for r in every),
-        # ReduceInfo's host-side phases: input checks + copies into the shared buffers and of the result out
+        # ReduceInfo's host-side phases: input checks + the copy into the shared buffers and the result's check
         "check_seconds": median(r["check_seconds"] for r in every),
         "copy_seconds": median(r["copy_seconds"] for r in every),
         "host_overhead_seconds": median(r["check_seconds"] + r["copy_seconds"] for r in every),
