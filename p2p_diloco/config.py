@@ -158,8 +158,8 @@ class SwarmConfig:
     # fixed H, use it with even rounds (inner.round_seconds, or peers of equal speed): a peer whose rounds end more
     # than matchmaking_time after its mates' misses their groups and resyncs (docs/compression.md).
     # delayed: as eager, from the anchor as it is (no look-ahead), Δ̄ applied when settled (one round late at τ = H);
-    # measured against eager in docs/compression.md. Not part of the fingerprint: the replicated state moves the same
-    # either way.
+    # not recommended: at τ 5 it ended at 1.0199 of blocking's loss against eager's 1.0074 (tiny, 3 seeds), at τ = H
+    # at 1.57 (docs/compression.md). Not part of the fingerprint: the replicated state moves the same either way.
     overlap: str = "none"
     # eager: inner steps of the next round before the group's Δ̄ is settled (τ): the time the exchange has (the peer
     # waits there for the rest). Each look-ahead step costs a little quality: at equal tokens (int8, mean ratio to
