@@ -103,10 +103,9 @@ def test_a_round_expects_the_mates_ready_now_and_waits_for_the_next_one_when_non
 
 
 @pytest.mark.timeout(60)
-def test_a_peer_reads_where_its_mates_are_from_the_states_they_vouch_for_and_hold():
+def test_a_peer_reads_that_the_swarm_has_left_it_behind_from_the_states_its_mates_vouch_for():
     """``ahead``: the furthest state state_quorum mates vouch for, when it is more than max_staleness rounds past
-    ours (the averager then resyncs instead of looking for a group); one mate's own state is not enough.
-    ``behind``: the live mates whose state is neither ours nor past it (a peer done with its run serves for them)."""
+    ours (the averager then resyncs instead of looking for a group); one mate's own state is not enough."""
     cfg = load_config(TINY, [])
     with _three_members(cfg) as ((reader, one, other), keys):
         tag, behind = RoundTag(2, "e" * 16), RoundTag(1, "a" * 16)
@@ -118,11 +117,6 @@ def test_a_peer_reads_where_its_mates_are_from_the_states_they_vouch_for_and_hol
         assert lenient.ahead(behind) is None and lenient.ahead(RoundTag(0, "a" * 16)) == tag  # its Δ may count
         assert one.announce(RoundTag(3, "f" * 16))  # only one peer vouches for it: not the swarm's
         assert reader.ahead(behind) == tag and reader.ahead(tag) is None
-
-        assert reader.behind(tag) == []  # other holds it, one got further
-        assert reader.behind(RoundTag(2, "b" * 16)) == [other.peer_id]  # other's state is not ours: it may want ours
-        assert other.behind(RoundTag(3, "f" * 16)) == [] and one.behind(RoundTag(3, "f" * 16)) == [other.peer_id]
-        assert other.behind(RoundTag(3, "a" * 16)) == [one.peer_id]  # at our round, another state: it may want ours
 
 
 @contextlib.contextmanager

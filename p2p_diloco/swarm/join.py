@@ -247,16 +247,6 @@ class Membership(Announcements):
             return offers[0][0]
         return None
 
-    def behind(self, mine: RoundTag) -> list[str]:
-        """The live mates whose state is neither ``mine`` nor past it: the ones that may still download ours (a
-        peer that has ended its run serves its final state while there are any, up to swarm.linger_seconds)."""
-        out = []
-        for peer, announcement in self.others().items():
-            tags = _tags_of(announcement) if announcement.get("fingerprint") == self.fingerprint else []
-            if announcement["live"] and tags and tags[-1] != mine and tags[-1].round <= mine.round:
-                out.append(peer)
-        return out
-
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
         reduce for a client-mode peer."""

@@ -316,7 +316,9 @@ class TrainingPeer:
             if self.opts.stop.is_set():
                 log.info("stop requested: leaving at round %d", self.worker.state.round)
             self._checkpoint()
-            self._linger()
+            if not self.opts.stop.is_set() and self.cfg.swarm.linger_seconds > 0:
+                log.info("done; serving the final state to peers for %.0fs more", self.cfg.swarm.linger_seconds)
+                self.opts.stop.wait(self.cfg.swarm.linger_seconds)
             return 0
         except RoundsFailing as exc:
             saved = self._checkpoint()
@@ -332,27 +334,6 @@ class TrainingPeer:
             raise
         finally:
             self.close()
-
-    def _linger(self) -> None:
-        """After the last round: serve the final state while a live mate may still download it (its own state is
-        neither ours nor past it: a straggler, a newcomer, a peer whose last round was a local step), for
-        swarm.linger_seconds at most; leave at once when every mate holds it or got further."""
-        linger = self.cfg.swarm.linger_seconds
-        if self.opts.stop.is_set() or linger <= 0:
-            return
-        deadline, mine = time.monotonic() + linger, self.sync.tag()
-        log.info("done; serving the final state while peers may still download it (%.0fs at most)", linger)
-        why = "stop requested"
-        while not self.opts.stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                why = f"swarm.linger_seconds={linger:g} passed"
-                break
-            if not self.members.behind(mine):
-                why = "every mate holds the final state or got further"
-                break
-            self.opts.stop.wait(min(1.0, left))
-        log.info("leaving: %s", why)
 
     def _settled(self, result: RoundResult | None, started: float) -> None:
         """A round that moved the outer state: report it, announce the new state, checkpoint when due."""
