@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -97,6 +98,12 @@ def swarm() -> Iterator[dict]:
 
 @pytest.fixture(autouse=True)
 def honest(swarm):
+    # a download returns once every piece is in; a piece asked of a second donor at its end (endgame) may still be
+    # on its way: let it land before the counters restart, else it counts as the next test's first call (seen in a
+    # loaded run: the lone donor's manifest was its call 2, which that test makes fail)
+    deadline = time.monotonic() + 30.0
+    while any(t.name.startswith("piece-") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for donor in swarm["donors"]:
         donor.on_call, donor.calls = (lambda k: None), 0
     yield
@@ -168,10 +175,12 @@ def test_a_donor_serving_wrong_bytes_for_one_part_is_dropped_and_the_part_comes_
             break
     else:
         pytest.fail(f"the liar never served part 2 (the last download's warnings: {lines})")
-    # it was dropped on that piece, which another donor then served; at most its other piece in flight followed
+    # it was dropped on that piece (at most its other piece in flight followed), and another donor served part 2:
+    # after it, or before it when the piece was also asked of an idle donor at the end of the download (endgame),
+    # whose copy came first (seen in CI)
     where = next(k for k, (d, s, e, _) in enumerate(asked.pieces) if d == liar.peer_id and _covers(s, e, 2))
     assert sum(d == liar.peer_id for d, *_ in asked.pieces[where + 1 :]) <= 1
-    assert any(d != liar.peer_id and _covers(s, e, 2) and ok for d, s, e, ok in asked.pieces[where + 1 :])
+    assert any(d != liar.peer_id and _covers(s, e, 2) and ok for d, s, e, ok in asked.pieces), asked.pieces
 
 
 def test_a_donor_that_dies_mid_download_leaves_its_pieces_to_the_others(swarm, caplog):
