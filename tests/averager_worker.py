@@ -6,7 +6,8 @@ Run: ``python tests/averager_worker.py '<json config>'``. Config keys: ``initial
 payload; default [0, "start"], the same on every peer), optional ``kill_after_parts`` (SIGKILL this peer's
 whole process group from inside the all-reduce once it has handed that many parts to other reducers;
 tests/faults.py), optional
-``state_meta`` (serve it with make_grads(seed + 1000, shapes) as the outer state), optional ``gather_garbage``
+``state_meta`` (serve it with make_grads(seed + 1000, shapes) as the outer state; ``slow_state``: each serve first
+does that many seconds of torch work and prints ``SERVING {json}`` as it begins), optional ``gather_garbage``
 (send this value instead of a gather payload), optional ``weight_scale`` (put this multiple of the declared
 tokens on the wire as the weight), optional ``forge`` (sign the payload with a key that is not this peer's),
 optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``client_mode``
@@ -50,6 +51,17 @@ def make_grads(seed: int, shapes: list[list[int]]) -> list[torch.Tensor]:
 
 def emit(tag: str, payload: dict) -> None:
     print(f"{tag} {json.dumps(payload)}", flush=True)
+
+
+def _busy(seconds: float, state: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``state`` after ``seconds`` of torch work in the calling thread (hivemind's state thread), said by ``SERVING``
+    as it begins: a serve as slow as a large state's snapshot and digests."""
+    if seconds > 0:
+        emit("SERVING", {"seconds": seconds})
+        work, until = torch.ones(1 << 20), time.monotonic() + seconds
+        while time.monotonic() < until:
+            work.mul_(1.0000001)
+    return state
 
 
 class _Garbage:
@@ -154,7 +166,7 @@ def main() -> None:
     averager.step = counting_step
     if cfg.get("state_meta") is not None:
         state = make_grads(seed + 1000, shapes)
-        averager.set_state_provider(lambda: (cfg["state_meta"], state))
+        averager.set_state_provider(lambda: (cfg["state_meta"], _busy(cfg.get("slow_state", 0.0), state)))
     emit("READY", {"maddrs": [str(m) for m in dht.get_visible_maddrs()], "peer_id": str(dht.peer_id)})
 
     for line in sys.stdin:

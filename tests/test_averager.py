@@ -410,6 +410,22 @@ def test_late_joiner_loads_the_donor_state_exactly(spawn):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
+def test_a_donor_that_leaves_while_serving_its_state_finishes_the_serve_and_exits_cleanly(spawn):
+    """Leaving mid-serve: shutdown waits for hivemind's state thread (a daemon) to finish the serve in progress, so
+    the interpreter never ends while that thread runs torch code, which aborts the process ("terminate called
+    without an active exception", rc -6: pytorch issue 38228; seen at the end of swarm runs while a mate downloaded
+    the leaving peer's state)."""
+    donor, joiner = start_swarm(spawn, 2, per_peer={0: {"state_meta": {"round": 3}, "slow_state": 3.0}})
+    joiner.send(f"LOAD {donor.peer_id} 20")
+    donor.expect("SERVING", 30)
+    donor.send("EXIT")
+    bye = donor.expect("BYE", 60)
+    assert donor.proc.wait(timeout=30) == 0, donor.proc.describe()
+    assert not bye["averager_alive"], bye
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
 def test_state_downloads_per_peer_are_limited(spawn):
     """swarm.max_state_downloads=2: a third download within the minute is refused, an empty stream at once."""
     meta = {"round": 3}

@@ -241,6 +241,16 @@ def test_a_slow_donor_holds_up_only_its_own_pieces(swarm):
     assert time.monotonic() - started < 5.0  # its pieces alone, one after the other: 2 manifests + 5 x 2.5 s
 
 
+def test_shutdown_ends_the_thread_that_serves_the_state(swarm):
+    """hivemind's host-side state thread (a daemon it keeps no handle to) is found, and gone after ``shutdown``: the
+    interpreter never ends while it runs (test_averager has the process that left mid-serve)."""
+    donor = Donor(swarm["donors"][0].maddrs(), swarm["state"])
+    thread = donor.averager._state_thread
+    assert thread is not None and thread.is_alive() and thread.daemon
+    donor.close()
+    assert not thread.is_alive()
+
+
 def test_donors_refuse_another_state_unaligned_ranges_and_downloads_over_budget(swarm):
     donor = Donor(swarm["donors"][0].maddrs(), swarm["state"], max_state_downloads=1)
     swarm["peers"].append(donor)

@@ -17,8 +17,9 @@ Output:  ``(averaged, ReduceInfo)``: EITHER the weighted mean over a group where
          ``ReduceInfo.gathered`` holds the members' payloads, parsed once in the averager process (malformed
          entries dropped and counted). A member whose Δ does not count (``protocol.decide``) sends weight 0.
 State:   hivemind's averager child process with the shared-memory buffers (overwritten by each attempt);
-         the state provider that serves late joiners (called in the host, in hivemind's fetch thread). In the
-         averager process: the recent downloads per peer (at most ``max_state_downloads`` a minute each; more get
+         the state provider that serves late joiners (called in the host, in hivemind's fetch thread;
+         ``shutdown`` refuses new serves and waits for the one in progress). In the averager process: the recent
+         downloads per peer (at most ``max_state_downloads`` a minute each; more get
          an empty stream), and the reducers caught lying (``BAN_SECONDS``): like unlisted peers of a closed run,
          they are refused as followers (``rpc_join_group``), never asked to lead us (the ``_matchmaking`` setter),
          a group holding one is left before any part is sent, and they get no state.
@@ -98,7 +99,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.averager import DecentralizedAverager, _background_thread_fetch_current_state
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
@@ -129,6 +130,18 @@ NO_REACHABLE_MEMBER = (
     "port and --announce-maddrs, or a public address)"
 )
 _STATE_KEY = "p2p_diloco_state"  # wraps the metadata: hivemind drops a state whose metadata is falsy ({})
+SERVE_GRACE = 60.0  # how long a shutdown waits for a serve of our state in progress to end
+
+
+def _state_thread_of(pipe: Any) -> threading.Thread | None:
+    """hivemind's host-side thread that serves the state of the averager owning ``pipe`` (it keeps no handle to it:
+    found by its target and arguments)."""
+    for thread in threading.enumerate():
+        args = getattr(thread, "_args", ())
+        if getattr(thread, "_target", None) is _background_thread_fetch_current_state and len(args) > 1:
+            if args[1] is pipe:
+                return thread
+    return None
 
 
 class _NoGroupIsNotAnError(logging.Filter):
@@ -267,6 +280,7 @@ class PseudoGradAverager(DecentralizedAverager):
         # for no group, since its Δ would not count and its joining would split its mates' group
         self.swarm_ahead: Callable[[RoundTag], RoundTag | None] | None = None
         self._closing = threading.Event()
+        self._state_thread = _state_thread_of(self._outer_pipe)  # hivemind's, serving our state: shutdown joins it
         if start:
             self.run_in_background(await_ready=True, timeout=60)
 
@@ -301,14 +315,23 @@ class PseudoGradAverager(DecentralizedAverager):
             self.wait_until_ready(timeout)
 
     def shutdown(self) -> None:
-        """Stop the averager process; it is gone (joined, killed if it had to be) when this returns."""
+        """Stop the averager process; it is gone (joined, killed if it had to be) when this returns, and a serve of
+        our state in progress has ended (new ones are refused from the start of the shutdown)."""
         self._closing.set()
         if self.is_alive():
-            super().shutdown()
+            super().shutdown()  # also tells hivemind's state thread to stop
             self.join(self.shutdown_timeout)
+        elif self._state_thread is not None and self._state_thread.is_alive():
+            self._inner_pipe.send(("_SHUTDOWN", None))
         if self.is_alive():
             self.kill()
             self.join(self.shutdown_timeout)
+        # that thread is a daemon: were the interpreter to end while it serves (torch code, the GIL released), the
+        # process would abort ("terminate called without an active exception"; pytorch issue 38228)
+        if self._state_thread is not None:
+            self._state_thread.join(SERVE_GRACE)
+            if self._state_thread.is_alive():
+                log.warning("a serve of our state was still running %.0fs into the shutdown", SERVE_GRACE)
 
     # ---------------------------------------------------------------- host side: reduce
     def _check_inputs(self, pseudo_grads: Sequence[torch.Tensor], weight: float) -> list[torch.Tensor]:
@@ -700,6 +723,8 @@ class PseudoGradAverager(DecentralizedAverager):
         """Called by hivemind in the host process when a peer downloads our state."""
         if self._state_provider is None:
             raise RuntimeError("no state provider set; this peer has no outer state to share")
+        if self._closing.is_set():
+            raise RuntimeError("this peer is leaving; ask another holder")
         metadata, tensors = self._state_provider()
         return {_STATE_KEY: metadata}, [t.detach().cpu() for t in tensors], None
 
