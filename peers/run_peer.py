@@ -102,8 +102,7 @@ def print_public_key(identity_path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # a crash in native code (torch, hivemind's threads) prints every thread's Python stack to stderr: a peer has
-    # been seen to abort at exit after its work was saved ("terminate called without an active exception")
+    # a crash in native code (torch, hivemind's threads) prints every thread's Python stack to stderr
     faulthandler.enable()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
