@@ -19,10 +19,10 @@ Output:  ``(averaged, ReduceInfo)``: EITHER the weighted mean over a group where
 State:   hivemind's averager child process with the shared-memory buffers (overwritten by each attempt);
          the state provider that serves late joiners (called in the host, in hivemind's fetch thread;
          ``shutdown`` refuses new serves and waits for the one in progress). In the averager process: the recent
-         downloads per peer (at most ``max_state_downloads`` a minute each; more get
-         an empty stream), and the reducers caught lying (``BAN_SECONDS``): like unlisted peers of a closed run,
-         they are refused as followers (``rpc_join_group``), never asked to lead us (the ``_matchmaking`` setter),
-         a group holding one is left before any part is sent, and they get no state.
+         downloads per peer (at most ``max_state_downloads`` a minute each; more get an empty stream), and the
+         reducers caught lying (``BAN_SECONDS``): like unlisted peers of a closed run, they are refused as followers
+         (``rpc_join_group``), never asked to lead us (the ``_matchmaking`` setter), a group holding one is left
+         before any part is sent, and they get no state.
 Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, before any network work. Network
          failures never raise: no group -> local result at once; incomplete or failed all-reduce -> retry on
          freshly copied buffers while ``max_reduce_attempts`` and ``round_deadline`` allow, else local.
@@ -137,10 +137,9 @@ def _state_thread_of(pipe: Any) -> threading.Thread | None:
     """hivemind's host-side thread that serves the state of the averager owning ``pipe`` (it keeps no handle to it:
     found by its target and arguments)."""
     for thread in threading.enumerate():
-        args = getattr(thread, "_args", ())
-        if getattr(thread, "_target", None) is _background_thread_fetch_current_state and len(args) > 1:
-            if args[1] is pipe:
-                return thread
+        target, args = getattr(thread, "_target", None), getattr(thread, "_args", ())
+        if target is _background_thread_fetch_current_state and len(args) > 1 and args[1] is pipe:
+            return thread
     return None
 
 
