@@ -123,7 +123,12 @@ class TrainConfig:
 @dataclass
 class SwarmConfig:
     run_id: str = "p2p-diloco"
+    # A round's matchmaking assembles every peer ready for it, up to max_round_peers; they average in groups of at most
+    # target_group_size (each a butterfly all-reduce), whose means are combined part by part, so every peer of the
+    # round applies the same Δ̄ (swarm/butterfly.py). A wider group sends fewer bytes per peer (2(n-1)/n of Δ in one
+    # group), opens more streams and fails more often when one member drops.
     target_group_size: int = 64
+    max_round_peers: int = 256
     min_group_size: int = 2
     matchmaking_time: float = 15.0  # seconds the leader waits for a group to fill
     request_timeout: float = 5.0
@@ -314,6 +319,12 @@ def _check_ranges(cfg: Config) -> None:
         "swarm.target_group_size",
         s.target_group_size,
         f">= swarm.min_group_size ({s.min_group_size})",
+    )
+    need(
+        s.max_round_peers >= s.target_group_size,
+        "swarm.max_round_peers",
+        s.max_round_peers,
+        f">= swarm.target_group_size ({s.target_group_size})",
     )
     for name in (
         "matchmaking_time",

@@ -87,7 +87,7 @@ class ReduceInfo:
     the result (all of the reduce with ``swarm.overlap`` none; only what the next inner steps did not hide, eager).
     """
 
-    group_size: int = 1
+    group_size: int = 1  # members of the round (all of its groups)
     complete: bool = False
     attempts: int = 0
     check_seconds: float = 0.0
@@ -101,6 +101,7 @@ class ReduceInfo:
     reason: str = ""
     gathered: Gathered = field(default_factory=Gathered)
     ahead: RoundTag | None = None  # the swarm's state, when it was too far ahead of ours to look for a group
+    groups: int = 1  # the groups the round ran as (protocol.split_groups): one butterfly each, their means combined
 
 
 class Reducer(Protocol):
@@ -185,6 +186,7 @@ class RoundResult:
             "compute_started": self.inner.started,
             "peak_memory_bytes": self.inner.peak_memory_bytes,
             "group_size": self.reduce.group_size,
+            "groups": self.reduce.groups,
             "reduce_complete": self.reduce.complete,
             "reduce_attempts": self.reduce.attempts,
             "matchmaking_seconds": self.reduce.matchmaking_seconds,

@@ -27,6 +27,7 @@ Output:  :func:`swarm_fingerprint` -> (12 hex digits, summary). The summary is a
            seed, inner.steps, inner.round_seconds, outer.lr, outer.momentum, outer.nesterov, outer.lr_warmup_rounds
            swarm.aggregation, swarm.aggregation_clip   how the reducers bound each sender (robust.py)
            swarm.compression, swarm.part_size_bytes    the wire codec and the parts it encodes (codec.py)
+           swarm.target_group_size                     how a round splits into groups (protocol.split_groups)
            swarm.max_staleness, swarm.staleness_decay  whose delayed Δ counts, and with what weight (protocol.py)
          :func:`fingerprint_differences` -> one line per differing field, ``"field: theirs X, ours Y"``.
 State:   none; both functions are pure (no network, no hivemind).
@@ -165,6 +166,7 @@ def swarm_fingerprint(cfg: Config, model: torch.nn.Module, data: DataPipeline) -
             "swarm.aggregation_clip": cfg.swarm.aggregation_clip,
             "swarm.compression": cfg.swarm.compression,
             "swarm.part_size_bytes": cfg.swarm.part_size_bytes,
+            "swarm.target_group_size": cfg.swarm.target_group_size,
             "swarm.max_staleness": cfg.swarm.max_staleness,
             "swarm.staleness_decay": cfg.swarm.staleness_decay,
         }

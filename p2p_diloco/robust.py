@@ -49,7 +49,7 @@ Determinism: the same inputs in the same order give bitwise the same output on o
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +59,9 @@ __all__ = [
     "RULES",
     "AggregateStats",
     "aggregate",
+    "aggregate_counted",
     "aggregate_flat",
+    "combine_groups",
     "max_round_tokens",
     "trusted_weight",
 ]
@@ -182,6 +184,19 @@ def aggregate(
 
     ``factors`` (default all 1): what each sender's weight is multiplied by in the mean, not in the bounds: a
     delayed Δ (protocol.RoundRules.stale_weight) is judged per declared token like any other and counts less."""
+    return aggregate_counted(parts, weights, rule, clip, stats, factors)[0]
+
+
+def aggregate_counted(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    rule: str,
+    clip: float,
+    stats: AggregateStats | None = None,
+    factors: Sequence[float] | None = None,
+) -> tuple[torch.Tensor, float]:
+    """``aggregate``, and the weight its result stands for: the senders' weights (times their factors) it counted, 0.0
+    when it counted none. What a group's reducer hands on when a round spans several groups (``combine_groups``)."""
     if rule not in RULES:
         raise ValueError(f"aggregation rule {rule!r} is unknown: must be one of {', '.join(RULES)}")
     if rule != "mean" and not (clip > 0 and math.isfinite(clip)):
@@ -215,11 +230,11 @@ def aggregate(
     if not kept:
         if stats is not None:
             stats.empty_parts += 1
-        return torch.zeros(shape, dtype=torch.float32)
+        return torch.zeros(shape, dtype=torch.float32), 0.0
     mean_w = kept_w if factors is None else [w * f for w, f in zip(kept_w, kept_f, strict=True)]
     total = float(sum(mean_w))
     if rule == "mean":
-        return _mean(kept, mean_w, total, [1.0] * len(kept))
+        return _mean(kept, mean_w, total, [1.0] * len(kept)), total
     if rule == "median_filter":
         norms = [_norm(x) for x in kept]
         seen, median, bounds = _bounds(norms, kept_w, clip)
@@ -229,9 +244,10 @@ def aggregate(
             stats.excluded_outlier += len(kept) - len(inside)
             stats.empty_parts += not inside
         if not inside:
-            return torch.zeros(shape, dtype=torch.float32)
+            return torch.zeros(shape, dtype=torch.float32), 0.0
         kept, mean_w = [kept[k] for k in inside], [mean_w[k] for k in inside]
-        return _mean(kept, mean_w, float(sum(mean_w)), [1.0] * len(kept))
+        counted = float(sum(mean_w))
+        return _mean(kept, mean_w, counted, [1.0] * len(kept)), counted
     if rule == "median_clip":
         norms = [_norm(x) for x in kept]
         seen, median, bounds = _bounds(norms, kept_w, clip)
@@ -239,8 +255,38 @@ def aggregate(
         if stats is not None:
             stats.saw(seen, median)
             stats.clipped += sum(s < 1.0 for s in scales)
-        return _mean(kept, mean_w, total, scales)
-    return _centered_clip(kept, mean_w, total, clip, stats)
+        return _mean(kept, mean_w, total, scales), total
+    return _centered_clip(kept, mean_w, total, clip, stats), total
+
+
+def combine_groups(
+    means: Sequence[torch.Tensor], weights: Sequence[float], rule: str, clip: float, stats: AggregateStats | None = None
+) -> torch.Tensor:
+    """One part of the round's mean from its groups' parts (each ``aggregate_counted`` over one group's senders, with
+    the weight it counted), in group order: Σ W_k·m_k / Σ W_k, exactly the mean over every sender the groups counted.
+    Under a robust rule a group's part whose norm exceeds ``clip`` x the lower median of the groups' part norms counts
+    0: a group's reducer that lies about its mean moves nothing (group means of honest senders lie far closer
+    together than single senders' parts do). Non-finite parts and weights count 0; none left: zeros."""
+    if not means or len(means) != len(weights):
+        raise ValueError(f"need one weight per group mean and at least one, got {len(means)} and {len(weights)}")
+    kept = [
+        (m.detach().to("cpu", torch.float32), float(w))
+        for m, w in zip(means, weights, strict=True)
+        if float(w) > 0 and math.isfinite(float(w)) and bool(torch.isfinite(m).all())
+    ]
+    if rule != "mean" and len(kept) > 1:
+        norms = [_norm(m) for m, _ in kept]
+        median = _lower_median(norms)
+        if stats is not None:
+            stats.saw(norms, median)
+        inside = [k for k, n in enumerate(norms) if n <= clip * median]
+        if stats is not None:
+            stats.excluded_outlier += len(kept) - len(inside)
+        kept = [kept[k] for k in inside]
+    if not kept:
+        return torch.zeros(means[0].shape, dtype=torch.float32)
+    total = float(sum(w for _, w in kept))
+    return _mean([m for m, _ in kept], [w for _, w in kept], total, [1.0] * len(kept))
 
 
 def aggregate_flat(
@@ -251,10 +297,15 @@ def aggregate_flat(
     part_values: int,
     stats: AggregateStats | None = None,
     factors: Sequence[float] | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
+    carry: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Each sender's tensors flattened and concatenated, cut into consecutive parts of ``part_values`` values,
     ``aggregate`` per part, reshaped back to the first sender's shapes (fp32). The simulator's stand-in for the
-    swarm's reducers: their parts are cut per reducer span, so the boundaries (and clipping) differ slightly."""
+    swarm's reducers: their parts are cut per reducer span, so the boundaries (and clipping) differ slightly.
+    ``groups``: the senders' indices per group when a round spans several (protocol.split_groups): each part is then
+    ``aggregate_counted`` per group, each group's part passed through ``carry`` (the wire codec, as a group's reducer
+    sends it on), and ``combine_groups`` over them."""
     if part_values < 1:
         raise ValueError(f"part_values {part_values} is invalid: must be >= 1")
     if not vectors:
@@ -265,10 +316,27 @@ def aggregate_flat(
     for k, v in enumerate(vectors):
         if [t.shape for t in v] != shapes:
             raise ValueError(f"sender {k} holds tensors of shapes {[list(t.shape) for t in v]}, sender 0 {shapes}")
+    if groups is not None and sorted(i for g in groups for i in g) != list(range(len(vectors))):
+        raise ValueError(f"groups {[list(g) for g in groups]} must hold each of the {len(vectors)} senders once")
     flats = [torch.cat([t.detach().to("cpu", torch.float32).reshape(-1) for t in v]) for v in vectors]
     total = flats[0].numel()
     out = torch.empty(total, dtype=torch.float32)
     for start in range(0, total, part_values):
         end = min(start + part_values, total)
-        out[start:end] = aggregate([f[start:end] for f in flats], weights, rule, clip, stats, factors)
+        if groups is None or len(groups) == 1:
+            out[start:end] = aggregate([f[start:end] for f in flats], weights, rule, clip, stats, factors)
+            continue
+        means, counted = [], []
+        for group in groups:
+            mean, weight = aggregate_counted(
+                [flats[i][start:end] for i in group],
+                [weights[i] for i in group],
+                rule,
+                clip,
+                stats,
+                None if factors is None else [factors[i] for i in group],
+            )
+            means.append(mean if carry is None else carry(mean))
+            counted.append(weight)
+        out[start:end] = combine_groups(means, counted, rule, clip, stats)
     return [piece.view(shape) for piece, shape in zip(out.split([math.prod(s) for s in shapes]), shapes, strict=True)]

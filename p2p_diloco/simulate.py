@@ -85,7 +85,7 @@ from p2p_diloco.engine import Contribution, ReduceInfo, RoundResult, Worker, eva
 from p2p_diloco.inner import InnerStats, NonFiniteLossError
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
 from p2p_diloco.robust import AggregateStats, aggregate_flat, max_round_tokens, trusted_weight
-from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag
+from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag, split_groups
 from p2p_diloco.threads import add_threads_flag, apply_threads
 from p2p_diloco.trackers import Trackers, require
 
@@ -371,7 +371,14 @@ def _aggregate(
         cap = max_round_tokens(cfg)
         weights = [trusted_weight(w, c.payload.tokens, cap) for w, c in zip(wire, mine, strict=True)]
     scale = None if factors is None or all(f in (None, 1.0) for f in factors) else [f or 1.0 for f in factors]
-    averaged = aggregate_flat(deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats, scale)
+    groups = split_groups([True] * len(mine), s.target_group_size)  # a round of more workers: its groups combined
+
+    def carry(mean: torch.Tensor) -> torch.Tensor:  # a group's mean of a part goes on to the part's round reducer
+        return codec.roundtrip(mean)
+
+    averaged = aggregate_flat(
+        deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats, scale, groups, carry
+    )
     return roundtrip_parts(averaged, codec, part_values)
 
 
@@ -411,7 +418,8 @@ def _diloco_rounds(
 
     def info(mine: list[Contribution]) -> ReduceInfo:
         gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
-        return ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
+        groups = len(split_groups([True] * len(pool), cfg.swarm.target_group_size))
+        return ReduceInfo(len(pool), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered, groups=groups)
 
     def drainer(k: int, w: Worker, into: list[RoundResult | None]) -> Callable[[], None]:
         def drain() -> None:
@@ -514,7 +522,10 @@ def _straggler_rounds(
         first = sorted(group, key=lambda k: (work[k].payload.tag != top, k))  # in-sync members settle first
         shown: RoundResult | None = None
         for k in first:
-            info = ReduceInfo(len(group), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered)
+            groups = len(split_groups([True] * len(group), cfg.swarm.target_group_size))
+            info = ReduceInfo(
+                len(group), True, 1, bytes_sent=sent, bytes_received=sent, gathered=gathered, groups=groups
+            )
             result = pool[k].settle(
                 work[k], averaged, info, rules, swarm.of(pool[k]), eval_sets=eval_sets if k == first[0] else None
             )

@@ -158,6 +158,32 @@ def test_three_peers_get_the_weighted_mean(spawn, compression):
 
 
 @pytest.mark.swarm
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_a_round_of_more_peers_than_a_group_applies_one_weighted_mean(spawn, compression):
+    """5 peers, groups of at most 2: the round runs as 3 butterflies (2 + 2 + 1 members) whose means each part's round
+    reducer combines, and every member of every group ends with the same bits: the weighted mean of all 5."""
+    cfg = {**FAST, "compression": compression, "target_group_size": 2, "part_size_bytes": 4096}
+    peers = start_swarm(spawn, 5, averager=cfg)
+    weights = [1.0, 2.0, 5.0, 3.0, 4.0]
+    for peer, weight in zip(peers, weights, strict=True):
+        peer.send(f"REDUCE {weight}")
+    results = [peer.expect("RESULT", 60) for peer in peers]
+    for res in results:
+        info = res["info"]
+        assert info["complete"] and info["group_size"] == 5 and info["groups"] == 3, info["reason"]
+    first = peers[0].result()
+    for peer in peers[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, peer.result(), strict=True))
+    expected = weighted_mean(list(range(5)), weights)
+    # int8: each sender's parts, each group's mean and the round's mean pass the codec (three roundings at most)
+    atol = 1e-6 if compression == "none" else 3.5 * max(float(t.abs().max()) for t in expected) / 127
+    assert_close(first, expected, atol)
+    for peer in peers:
+        peer.send("EXIT")
+
+
+@pytest.mark.swarm
 @pytest.mark.timeout(90)
 def test_two_client_mode_members_and_one_node_average_and_agree_through_the_node(spawn):
     """p1 and p2 run as clients (behind NAT: they accept no calls, so they cannot reach each other); p0 is the one

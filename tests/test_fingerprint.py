@@ -125,7 +125,7 @@ def test_the_model_architecture_is_part_of_it() -> None:
     [
         ["data.shard_index=1"],
         ["swarm.matchmaking_time=7"],
-        ["swarm.target_group_size=3", "swarm.min_group_size=3", "swarm.start_peers=3"],
+        ["swarm.max_round_peers=20", "swarm.min_group_size=3", "swarm.start_peers=3"],
         ["logging.log_every=1", "logging.progress_bar=false"],
         ["logging.tensorboard=true", "logging.wandb_project=p2p", "logging.wandb_mode=online"],
         ["model.device=cpu", "model.autocast=none"],

@@ -13,6 +13,7 @@ from p2p_diloco.swarm.protocol import (
     RoundTag,
     decide,
     majority_tag,
+    split_groups,
 )
 
 A5, B5, A6 = RoundTag(5, "aaaa"), RoundTag(5, "bbbb"), RoundTag(6, "aaaa")
@@ -191,3 +192,25 @@ def test_a_delayed_delta_counts_at_its_stale_weight_and_the_others_in_full():
         decide(A3, gathered, True, rules).reason
     )
     assert RoundRules(4).weight_factors(group(A5, B5)) == {}  # a tie: nobody's Δ counts
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 16, 17, 64, 255])
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 16])
+def test_a_round_splits_into_even_groups_of_at_most_the_width_each_holding_a_reducer(n, width):
+    reducers = [k % 3 != 1 for k in range(n)]  # every third member from the second on is a client
+    reducers[0] = True
+    groups = split_groups(reducers, width)
+    assert sorted(i for g in groups for i in g) == list(range(n))
+    sizes = [len(g) for g in groups]
+    assert max(sizes) - min(sizes) <= 1
+    assert all(any(reducers[i] for i in g) for g in groups)
+    if len(groups) == -(-n // width):  # enough reducers for one per group: no group over the width
+        assert max(sizes) <= width
+    assert groups == split_groups(list(reducers), width)  # every member computes the same
+
+
+def test_a_round_with_fewer_reducers_than_groups_has_one_group_per_reducer():
+    groups = split_groups([True, False, False, False, False, True], 2)
+    assert len(groups) == 2 and all(len(g) == 3 for g in groups)
+    with pytest.raises(ValueError):
+        split_groups([True], 0)

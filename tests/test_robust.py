@@ -8,7 +8,16 @@ import torch
 
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.outer import weighted_mean
-from p2p_diloco.robust import RULES, AggregateStats, aggregate, aggregate_flat, max_round_tokens, trusted_weight
+from p2p_diloco.robust import (
+    RULES,
+    AggregateStats,
+    aggregate,
+    aggregate_counted,
+    aggregate_flat,
+    combine_groups,
+    max_round_tokens,
+    trusted_weight,
+)
 from p2p_diloco.simulate import simulate
 
 ROBUST = [r for r in RULES if r != "mean"]
@@ -209,3 +218,39 @@ def test_a_delayed_delta_counts_at_its_factor_and_is_bounded_per_declared_token(
     assert torch.equal(aggregate(parts, [100.0] * 3, rule, 2.0, factors=[1.0] * 3), plain)  # factors 1: bitwise
     with pytest.raises(ValueError, match="factor"):
         aggregate(parts, [100.0] * 3, rule, 2.0, factors=[1.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_round_of_several_groups_gives_every_senders_weighted_mean(rule):
+    """Groups' means combined by the weight each counted equal the one-group result (similar senders of similar
+    weights, inside every bound, so every rule is the weighted mean); to fp32 rounding: the sums run in another
+    order."""
+    senders = _senders(7, spread=0.05)
+    # robust rules bound unequal senders per token, which can drop a light sender in one grouping and not another
+    weights = [1.0, 2.0, 3.0, 1.0, 5.0, 2.0, 4.0] if rule == "mean" else [1.0] * 7
+    flat = aggregate_flat(senders, weights, rule, 2.0, 6)
+    groups = [[0, 3, 6], [1, 4], [2, 5]]
+    grouped = aggregate_flat(senders, weights, rule, 2.0, 6, groups=groups)
+    tolerance = 1e-6 if rule != "centered_clip" else 0.05  # CenteredClip moves v0 by the group's own median
+    for a, b in zip(flat, grouped, strict=True):
+        assert torch.allclose(a, b, atol=tolerance, rtol=0), float((a - b).abs().max())
+
+
+def test_median_filter_counts_only_the_weight_of_the_senders_it_kept():
+    parts = [torch.ones(4), torch.ones(4) * 1.1, torch.ones(4) * 50.0]
+    mean, counted = aggregate_counted(parts, [2.0, 3.0, 4.0], "median_filter", 2.0)
+    assert counted == 5.0 and torch.allclose(mean, torch.full((4,), (2 * 1 + 3 * 1.1) / 5))
+    assert aggregate_counted(parts, [0.0, 0.0, 0.0], "mean", 2.0)[1] == 0.0
+
+
+def test_combining_groups_drops_a_group_mean_far_longer_than_the_others():
+    """A group's reducer that lies about its mean (here 100x) counts 0 under a robust rule; mean trusts it."""
+    honest = [torch.ones(8), torch.ones(8) * 1.2, torch.ones(8) * 0.9]
+    liar = torch.ones(8) * 100.0
+    means, weights = [*honest, liar], [1.0, 1.0, 1.0, 1.0]
+    robust = combine_groups(means, weights, "median_filter", 2.0)
+    assert torch.allclose(robust, torch.full((8,), (1 + 1.2 + 0.9) / 3))
+    assert float(combine_groups(means, weights, "mean", 2.0).mean()) > 20
+    assert torch.equal(combine_groups([torch.ones(3)], [0.0], "mean", 2.0), torch.zeros(3))  # nothing counted
+    one = torch.randn(5)
+    assert torch.equal(combine_groups([one], [3.0], "median_filter", 2.0), one)  # one group: its mean, bitwise

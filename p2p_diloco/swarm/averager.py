@@ -66,9 +66,12 @@ count too; the vote's few bytes are not counted). A member reducing
 slice to ``n - 1`` members, ``(S - m) + (n - 1) m`` values (about ``2 (n - 1) / n`` of the vector) in the wire
 codec (``compression``: codec.py; 4 bytes a value for none, 1.03 for int8), and receives as much; the messages
 add a few dozen bytes each to that.
-Group size: before each attempt ``expected_members()`` (the training peer: us and the run's live peers with our
-settings) tells the averager process to assemble a group at that many members (within ``min_group_size`` and
-``target_group_size``), so a leader starts as soon as everyone that will come is in, not at ``matchmaking_time``.
+Round size: before each attempt ``expected_members()`` (the training peer: us and the run's live peers with our
+settings) tells the averager process to assemble the round at that many members (within ``min_group_size`` and
+``max_round_peers``), so a leader starts as soon as everyone that will come is in, not at ``matchmaking_time``. A round
+of more than ``target_group_size`` members runs as several groups (protocol.split_groups; ``_plan``), each its own
+butterfly, whose means each part's round reducer combines (butterfly.Combiner, ``rpc_combine_part``): one mean for the
+whole round, bitwise equal on every member of every group, and one vote over all of them.
 
 State sharing: donors are chosen by the caller (sync.py: peers whose signed announcements vouch for the state),
 never from hivemind's unsigned ``all_averagers`` key, and ``download`` reads their stream with our own bounds
@@ -95,13 +98,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.averager import DecentralizedAverager, _background_thread_fetch_current_state
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.load_balancing import hagenbach_bishoff
 from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
@@ -115,10 +119,18 @@ from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.outer import is_finite
 from p2p_diloco.state_parts import PART_VALUES, read_values, total_values
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
-from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, PayloadBytes, WireCodec
+from p2p_diloco.swarm.butterfly import (
+    Aggregation,
+    ExactRunner,
+    PayloadBytes,
+    RoundGroups,
+    WireCodec,
+    part_lengths,
+    part_owners,
+)
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.identity import Identity, peer_id_of, verify
-from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, RoundTag
+from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, RoundTag, split_groups
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 
@@ -131,6 +143,17 @@ NO_REACHABLE_MEMBER = (
 )
 _STATE_KEY = "p2p_diloco_state"  # wraps the metadata: hivemind drops a state whose metadata is falsy ({})
 SERVE_GRACE = 60.0  # how long a shutdown waits for a serve of our state in progress to end
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One member's butterfly in a round (``PseudoGradAverager._plan``): its members and their modes, the share of
+    the vector each reduces, and how the round's groups combine (None: the round is one group)."""
+
+    members: list[Any]
+    modes: list[AveragingMode]
+    fractions: list[int]
+    groups: RoundGroups | None
 
 
 def _state_thread_of(pipe: Any) -> threading.Thread | None:
@@ -200,6 +223,7 @@ class PseudoGradAverager(DecentralizedAverager):
         part_size_bytes: int,
         round_deadline: float,
         max_reduce_attempts: int,
+        max_round_peers: int = 256,
         rules: RoundRules | None = None,
         aggregation: str = "mean",
         aggregation_clip: float = 1.0,
@@ -216,13 +240,16 @@ class PseudoGradAverager(DecentralizedAverager):
             raise ValueError(f"prefix={prefix!r} must be a non-empty string without '.'")
         if not 0 < request_timeout < matchmaking_time:
             raise ValueError(f"need 0 < request_timeout ({request_timeout}) < matchmaking_time ({matchmaking_time})")
+        if not 1 <= target_group_size <= max_round_peers:
+            raise ValueError(f"need 1 <= target_group_size ({target_group_size}) <= max_round_peers={max_round_peers}")
         self.shapes = [tuple(t.shape) for t in templates]
+        self.group_width = target_group_size  # the widest butterfly; a round of more peers runs as several groups
         super().__init__(
             [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes],
             dht,
             start=False,
             prefix=prefix,
-            target_group_size=target_group_size,
+            target_group_size=max_round_peers,  # one matchmaking assembles the whole round, of up to this many
             min_group_size=min_group_size,
             initial_group_bits="",
             min_matchmaking_time=matchmaking_time,
@@ -261,7 +288,7 @@ class PseudoGradAverager(DecentralizedAverager):
         self._payload_totals = torch.zeros(2, dtype=torch.int64).share_memory_()
         # host side: how many peers (us included) will come to this round's matchmaking (e.g. the run's live
         # members); a leader then assembles as soon as that many joined, instead of at matchmaking_time
-        self.target_group_size_cap = target_group_size
+        self.target_group_size_cap = max_round_peers
         self.expected_members: Callable[[], int] | None = None
         # host side, client mode only: how many live peers of the run accept calls (can lead and reduce); at 0 a
         # round is local at once, with the reason, instead of a matchmaking that cannot succeed
@@ -298,6 +325,7 @@ class PseudoGradAverager(DecentralizedAverager):
             "part_size_bytes",
             "round_deadline",
             "max_reduce_attempts",
+            "max_round_peers",
             "compression",
         )
         kw.setdefault("rules", RoundRules.from_config(swarm))
@@ -521,7 +549,7 @@ class PseudoGradAverager(DecentralizedAverager):
         info.copy_seconds += time.monotonic() - t0
         if not finite:
             return None, "the group's average is not finite", False
-        info.group_size, info.gathered = out["group_size"], out["gathered"]
+        info.group_size, info.groups, info.gathered = out["group_size"], out["groups"], out["gathered"]
         return averaged, "", False
 
     def _count_payload(self, info: ReduceInfo, before: torch.Tensor) -> None:
@@ -569,10 +597,11 @@ class PseudoGradAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         """Run the stock butterfly, judge this member's view of it, then agree with the group (rpc_vote)."""
         t_group, gathered, reason, verdict, runner, digest = time.monotonic(), Gathered(), "", False, None, b""
+        groups = 1
         vote = self._vote_state(group_info.group_id, group_info.peer_ids)["mine"]
         modes = [AveragingMode.NODE] * group_info.group_size
         try:
-            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
+            _, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             modes = [AveragingMode(m) for m in mode_ids]
             members = zip(group_info.peer_ids, user_bytes, strict=True)
             gathered = Gathered.parse({str(p): self._opened(str(p), self._decode(b)) for p, b in members})
@@ -582,26 +611,28 @@ class PseudoGradAverager(DecentralizedAverager):
             factors = self.rules.weight_factors(gathered)  # the members whose Δ counts (protocol.decide)
             if str(self.peer_id) not in factors:
                 kwargs["weight"] = 0.0  # out of sync with the group: serve as a reducer, contribute nothing
-            senders = [str(p) for p, m in zip(group_info.peer_ids, modes, strict=True) if m != AveragingMode.AUX]
+            plan = self._plan(group_info, modes, gathered, factors)
+            members = plan.members
+            senders = [str(p) for p, m in zip(members, plan.modes, strict=True) if m != AveragingMode.AUX]
             declared = tuple(gathered.payloads[p].tokens if p in factors else None for p in senders)
             stale = tuple(factors.get(p, 1.0) for p in senders)
             aggregation = Aggregation(
                 self.aggregation, self.aggregation_clip, declared, self.max_tokens, stale if min(stale) < 1 else None
             )
-            download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes, strict=True)]
-            sizes = load_balance_peers(self.total_size, download, min_vector_size)
+            groups = len(plan.groups.owners) if plan.groups is not None else 1
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 runner = ExactRunner(
                     aggregation=aggregation,
                     payload_bytes=PayloadBytes(self._payload_totals),
+                    groups=plan.groups,
                     p2p=self._p2p,
                     servicer_type=type(self),
                     prefix=self.prefix,
                     tensors=local_tensors,
                     group_id=group_info.group_id,
-                    ordered_peer_ids=group_info.peer_ids,
-                    peer_fractions=sizes,
-                    modes=modes,
+                    ordered_peer_ids=members,
+                    peer_fractions=plan.fractions,
+                    modes=plan.modes,
                     **kwargs,
                 )
                 self._running_groups[group_info.group_id].set_result(runner)
@@ -633,9 +664,71 @@ class PseudoGradAverager(DecentralizedAverager):
             complete=verdict and not against,
             gathered=gathered,
             group_size=group_info.group_size,
+            groups=groups,
             t_group=t_group,
             reason=reason or "members without a complete result: " + ", ".join(against),
         )
+
+    def _plan(
+        self, group_info: GroupInfo, modes: list[AveragingMode], gathered: Gathered, factors: dict[str, float]
+    ) -> _Plan:
+        """This member's butterfly in the round: the whole round when it fits in one group (``group_width``: the
+        config's target_group_size), else its group of the round (protocol.split_groups) and how the groups' means
+        are combined part by part (butterfly.RoundGroups). The vector is shared evenly among a group's reducers
+        (client-mode members reduce nothing), which every member computes alike: declared bandwidths are not used."""
+        peers = list(group_info.peer_ids)
+        reducers = [m != AveragingMode.CLIENT for m in modes]
+
+        def fractions(members: Sequence[int]) -> list[int]:
+            return list(hagenbach_bishoff(self.total_size, [1.0 if reducers[i] else 0.0 for i in members]))
+
+        split = split_groups(reducers, self.group_width)
+        if len(split) == 1:
+            return _Plan(peers, modes, fractions(range(len(peers))), None)
+        me = peers.index(self.peer_id)
+        index = next(k for k, members in enumerate(split) if me in members)
+        lengths = part_lengths(self.shapes, int(self.allreduce_kwargs["part_size_bytes"] / 4))
+        owners = [[peers[members[i]] for i in part_owners(lengths, fractions(members))] for members in split]
+        caps = [
+            sum(gathered.payloads[p].tokens * factors[p] for p in (str(peers[i]) for i in members) if p in factors)
+            for members in split
+        ]
+
+        async def call(peer: Any, request: Any) -> Any:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            return await stub.rpc_combine_part(request, timeout=self.allreduce_kwargs["reducer_timeout"])
+
+        timeout = self.allreduce_kwargs["reducer_timeout"]
+        groups = RoundGroups(index, owners, lengths, caps, call, timeout)
+        mine = split[index]
+        return _Plan([peers[i] for i in mine], [modes[i] for i in mine], fractions(mine), groups)
+
+    async def rpc_combine_part(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Another group's mean of a part this peer is the round reducer of -> the round's mean of it, once every
+        group's came (butterfly.Combiner); an empty reply for a round we are not running, or from a peer not
+        admitted."""
+        refused = averaging_pb2.DownloadData()
+        try:
+            group_id = self.serializer.loads(request.metadata)["group_id"] if len(request.metadata) <= 256 else None
+        except Exception:  # noqa: BLE001 - a stranger's bytes: refused, never raised
+            group_id = None
+        if not isinstance(group_id, bytes) or not self._admitted(context.remote_id):
+            return refused
+        deadline = time.monotonic() + self.request_timeout_s
+        while group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the caller's group may have started its butterfly a moment before ours
+        future = self._running_groups.get(group_id)
+        if future is None:
+            return refused
+        try:
+            runner = await asyncio.wait_for(asyncio.shield(future), self.request_timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            return refused
+        if getattr(runner, "combiner", None) is None:
+            return refused
+        return await runner.combiner.serve(context.remote_id, request)
 
     def _decode(self, user_bytes: Any) -> Any:
         """One member's gather payload off the wire, or None when it does not decode (then dropped, counted)."""

@@ -22,6 +22,11 @@ What differs from the stock runner:
   sender's tokens over ours, when they differ) marks its reducer a liar
   (``lying_reducers``): robust rules never average parts longer than clip x the median, so an honest reducer's
   slice stays within that bound (the averager fails the attempt and stops grouping with it);
+- a round of several groups (protocol.split_groups): the runner is one group's butterfly, but its reducer hands each
+  part's group mean (``robust.aggregate_counted``, with the weight it counted) to the part's round reducer, one
+  member of one group (``RoundGroups.leader``), which combines every group's (``robust.combine_groups``), encodes the
+  result once and answers every group's reducer with those bytes; members of all groups receive the same bytes
+  (``Combiner``). A group's reducer, or a round reducer, that fails fails the attempt for everyone (the vote);
 - payload bytes are counted where messages meet the transport, both as caller (``_get_peer_stub``: our parts
   to each reducer and its averaged parts back) and as handler (``rpc_aggregate_part``: a sender's parts and our
   replies): the protobuf ``ByteSize()`` of each message, before libp2p framing and encryption. The own slice is
@@ -32,11 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
@@ -44,12 +51,25 @@ from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco.codec import Codec, CodecError
-from p2p_diloco.robust import aggregate, trusted_weight
+from p2p_diloco.robust import aggregate, aggregate_counted, combine_groups, trusted_weight
 
-__all__ = ["Aggregation", "ExactRunner", "PayloadBytes", "RobustPartReducer", "WireCodec"]
+__all__ = [
+    "Aggregation",
+    "Combiner",
+    "ExactRunner",
+    "PayloadBytes",
+    "RobustPartReducer",
+    "RoundGroups",
+    "Settled",
+    "WireCodec",
+    "part_lengths",
+    "part_owners",
+]
 
+log = logging.getLogger("p2p_diloco.butterfly")
 _DTYPE_PREFIX = "p2p_diloco/"  # a part's dtype field names our codec, so a part in another format is refused
 
 
@@ -141,12 +161,171 @@ class Aggregation:
     factors: tuple[float, ...] | None = None
 
 
+@dataclass(frozen=True)
+class Settled:
+    """A part of the round's mean as its round reducer encoded it (``serialized``, what every member receives) and
+    decoded (``tensor``): members of every group decode the same bytes, so they hold the same values."""
+
+    tensor: torch.Tensor
+    serialized: Any  # runtime_pb2.Tensor
+
+
+def part_lengths(shapes: Sequence[Sequence[int]], part_values: int) -> list[int]:
+    """The round's parts, as hivemind's TensorPartContainer cuts every member's tensors (each tensor flattened and
+    split into ``part_values`` values, the last shorter): the same on every member of every group."""
+    out = []
+    for shape in shapes:
+        numel = math.prod(shape)
+        out += [min(part_values, numel - start) for start in range(0, numel, part_values)]
+    return out
+
+
+def part_owners(lengths: Sequence[int], fractions: Sequence[float]) -> list[int]:
+    """Which member of a group (by index) reduces each part, as TensorPartContainer assigns them from the members'
+    fractions of the vector (partition.py:66-90: a part between two members goes to the one holding more of it)."""
+    total = sum(lengths)
+    pivots = (np.cumsum(fractions) / np.sum(fractions) * total).astype(np.int64)
+    pivots[-1] = total
+    owners, length, member = [], 0, 0
+    for size in lengths:
+        if length + size > pivots[member]:
+            first, overlaps = member, [pivots[member] - length]
+            while length + size > pivots[member]:
+                member += 1
+                overlaps.append(min(length + size, pivots[member]) - pivots[member - 1])
+            owners.append(first + int(np.argmax(overlaps)))
+        else:
+            owners.append(member)
+        length += size
+    return owners
+
+
+@dataclass(frozen=True)
+class RoundGroups:
+    """A round of several groups (protocol.split_groups), as one group's runner sees it.
+
+    ``owners[k][p]``: the peer reducing the round's part ``p`` (``part_lengths``) in group ``k``; ``index``: our group;
+    ``lengths``: the parts' lengths; ``caps[k]``: the most weight group k's mean can stand for (its senders' declared
+    tokens times their factors, for those whose Δ counts); ``call(peer, request)``: that peer's ``rpc_combine_part``
+    (the averager's stub), awaited at most ``timeout`` seconds. Part p's round reducer is ``leader(p)``: its reducer
+    in group ``p mod groups``, so the parts' round reducers spread over the groups."""
+
+    index: int
+    owners: list[list[Any]]
+    lengths: list[int]
+    caps: list[float]
+    call: Callable[[Any, Any], Awaitable[Any]]
+    timeout: float
+
+    def leader(self, part: int) -> Any:
+        return self.owners[part % len(self.owners)][part]
+
+
+class Combiner:
+    """One member's part in combining a round's groups: as a group's reducer it sends its group's mean of each part
+    it reduces, encoded with the wire codec, to that part's round reducer (``combine``); as a round reducer it takes
+    every group's mean of its parts (``serve``; its own group's through the same codec), ``combine_groups`` them in
+    group order, encodes the result once and answers every group's reducer with those bytes, which they hand on to
+    their members. So each part of the round's mean is computed on one machine and every member of every group holds
+    the same bits. A group's mean is refused (the attempt fails) when it comes from a peer that is not that group's
+    reducer of the part or does not decode to the part's length; a weight over the group's cap counts 0."""
+
+    def __init__(
+        self,
+        groups: RoundGroups,
+        peer_id: Any,
+        group_id: bytes,
+        wire: WireCodec,
+        payload_bytes: PayloadBytes,
+        aggregation: Aggregation,
+    ):
+        self.groups, self.peer_id, self.group_id, self.wire = groups, peer_id, group_id, wire
+        self.payload_bytes, self.aggregation = payload_bytes, aggregation
+        self._slots: dict[int, tuple[dict[int, tuple[torch.Tensor, float]], asyncio.Future]] = {}
+
+    async def combine(self, part: int, mean: torch.Tensor, weight: float) -> Settled:
+        """Our group's ``mean`` of ``part`` (standing for ``weight``) -> the round's mean of it."""
+        try:
+            return await self._combine(part, mean, weight)
+        except Exception as exc:
+            log.warning("part %d of the round: no round mean from %s (%r)", part, self.groups.leader(part), exc)
+            raise
+
+    async def _combine(self, part: int, mean: torch.Tensor, weight: float) -> Settled:
+        loop = asyncio.get_event_loop()
+        serialized = await loop.run_in_executor(None, self.wire.compress, mean)
+        leader = self.groups.leader(part)
+        if leader == self.peer_id:
+            return await self._offer(part, self.groups.index, self.wire.extract(serialized), weight)
+        metadata = {"group_id": self.group_id, "part": part, "group": self.groups.index, "weight": float(weight)}
+        request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(metadata), tensor_part=serialized)
+        self.payload_bytes.add(PayloadBytes.SENT, request.ByteSize())
+        reply = await asyncio.wait_for(self.groups.call(leader, request), self.groups.timeout)
+        self.payload_bytes.add(PayloadBytes.RECEIVED, reply.ByteSize())
+        if not reply.HasField("tensor_part"):
+            raise AllreduceException(f"the round reducer of part {part} refused our group's mean")
+        tensor = self.wire.extract(reply.tensor_part)
+        if tuple(tensor.shape) != (self.groups.lengths[part],):
+            raise AllreduceException(f"the round reducer of part {part} sent {tuple(tensor.shape)} values")
+        return Settled(tensor, reply.tensor_part)
+
+    async def serve(self, caller: Any, request: Any) -> Any:
+        """Another group's mean of a part we are the round reducer of (``request.metadata``: the round's
+        ``group_id``, the ``part``, the sender's ``group`` and the ``weight`` its mean stands for) -> the round's mean
+        of it, or an empty reply (a refusal)."""
+        self.payload_bytes.add(PayloadBytes.RECEIVED, request.ByteSize())
+        refused = averaging_pb2.DownloadData()
+        try:
+            meta = MSGPackSerializer.loads(request.metadata) if len(request.metadata) <= 256 else None
+            part, group, weight = int(meta["part"]), int(meta["group"]), float(meta["weight"])
+            groups = self.groups
+            valid = 0 <= part < len(groups.lengths) and 0 <= group < len(groups.owners) and group != groups.index
+            if not valid or groups.owners[group][part] != caller or groups.leader(part) != self.peer_id:
+                return refused
+            tensor = self.wire.extract(request.tensor_part)
+            if tuple(tensor.shape) != (groups.lengths[part],):
+                return refused
+        except Exception:  # noqa: BLE001 - a stranger's bytes: refused, never raised
+            return refused
+        if not (math.isfinite(weight) and 0 <= weight <= groups.caps[group]):
+            weight = 0.0  # a group's mean can stand for no more than its senders' tokens
+        try:
+            settled = await asyncio.wait_for(self._offer(part, group, tensor, weight), self.groups.timeout)
+        except (asyncio.TimeoutError, AllreduceException):
+            return refused
+        reply = averaging_pb2.DownloadData(tensor_part=settled.serialized)
+        self.payload_bytes.add(PayloadBytes.SENT, reply.ByteSize())
+        return reply
+
+    async def _offer(self, part: int, group: int, mean: torch.Tensor, weight: float) -> Settled:
+        if part not in self._slots:
+            self._slots[part] = ({}, asyncio.get_event_loop().create_future())
+        means, done = self._slots[part]
+        if group in means:
+            raise AllreduceException(f"group {group} sent part {part} twice")
+        means[group] = (mean, weight)
+        if len(means) == len(self.groups.owners) and not done.done():
+            order = range(len(self.groups.owners))
+            rule, clip = self.aggregation.rule, self.aggregation.clip
+            result = combine_groups([means[k][0] for k in order], [means[k][1] for k in order], rule, clip)
+            serialized = self.wire.compress(result)
+            done.set_result(Settled(self.wire.extract(serialized), serialized))
+        return await asyncio.shield(done)
+
+
 class RobustPartReducer(TensorPartReducer):
     """A TensorPartReducer that keeps each sender's current part and reduces them together with robust.aggregate,
     weighting each by its trusted weight instead of the weight it put on the wire."""
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Aggregation):
-        self.aggregation = aggregation
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        aggregation: Aggregation,
+        combiner: Combiner | None = None,
+        first_part: int = 0,
+    ):
+        self.aggregation, self.combiner, self.first_part = aggregation, combiner, first_part
         self.current_parts: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -182,7 +361,8 @@ class RobustPartReducer(TensorPartReducer):
         self.current_parts[sender_index] = (tensor_part, trusted)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
-        return await future
+        result = await future
+        return await asyncio.shield(result) if isinstance(result, asyncio.Future) else result
 
     def check_current_part_finished(self) -> None:
         if self.current_part_accumulated_from < self.num_current_senders:
@@ -191,15 +371,14 @@ class RobustPartReducer(TensorPartReducer):
         parts = [self.current_parts[i][0] for i in senders]
         weights = [self.current_parts[i][1] for i in senders]
         factors = self.aggregation.factors
-        self.current_part_future.set_result(
-            aggregate(
-                parts,
-                weights,
-                self.aggregation.rule,
-                self.aggregation.clip,
-                factors=None if factors is None else [factors[i] for i in senders],
-            )
-        )
+        factors = None if factors is None else [factors[i] for i in senders]
+        rule, clip = self.aggregation.rule, self.aggregation.clip
+        if self.combiner is None:
+            self.current_part_future.set_result(aggregate(parts, weights, rule, clip, factors=factors))
+        else:  # our group's mean of this part goes to the part's round reducer: every member awaits the round's mean
+            mean, counted = aggregate_counted(parts, weights, rule, clip, factors=factors)
+            part = self.first_part + self.current_part_index
+            self.current_part_future.set_result(asyncio.ensure_future(self.combiner.combine(part, mean, counted)))
         self.reset_accumulators()
 
 
@@ -212,14 +391,31 @@ class ExactRunner(AllReduceRunner):
     byte of the attempt, whether it completes or not (a fresh counter if None).
     """
 
-    def __init__(self, aggregation: Aggregation, payload_bytes: PayloadBytes | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        aggregation: Aggregation,
+        payload_bytes: PayloadBytes | None = None,
+        groups: RoundGroups | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's slice keeps the LOCAL values
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
         self.tensor_part_reducer.finished.set()  # the stock reducer it replaces: unused (else a warning as it goes)
-        self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
         self.payload_bytes = payload_bytes if payload_bytes is not None else PayloadBytes()
+        self.combiner, first_part = None, 0
+        if groups is not None and len(groups.owners) > 1:
+            mine = groups.owners[groups.index]
+            actual = [k for k, parts in enumerate(container._input_parts_by_peer) for _ in parts]
+            if [self.ordered_peer_ids[k] for k in actual] != mine:  # never combine parts we do not agree on
+                raise AllreduceException("this group's parts are not owned as the round's plan says")
+            index = self.ordered_peer_ids.index(self.peer_id)
+            first_part = sum(container.num_parts_by_peer[:index])
+            self.combiner = Combiner(groups, self.peer_id, self.group_id, self.wire, self.payload_bytes, aggregation)
+        self.tensor_part_reducer = RobustPartReducer(
+            shapes, len(self.sender_peer_ids), aggregation, self.combiner, first_part
+        )
         # A reducer's averaged part can be no longer than the longest part it may accept: robust rules accept parts
         # up to clip x the median norm. Compared per reducer's slice (all its parts together), not per part: with
         # non-IID shards one part (an embedding block our shard barely touched, a small tensor) can average to 6.7x
@@ -287,7 +483,10 @@ class ExactRunner(AllReduceRunner):
             for part_index, part in enumerate(self.parts_for_local_averaging):
                 part = codec.roundtrip(part) if codec.name != "none" else part
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
-                averaged = codec.roundtrip(averaged) if codec.name != "none" else averaged
+                if isinstance(averaged, Settled):
+                    averaged = averaged.tensor
+                elif codec.name != "none":
+                    averaged = codec.roundtrip(averaged)
                 self.tensor_part_container.register_processed_part(index, part_index, averaged)
         except BaseException:
             self.tensor_part_container.register_failed_reducer(index)  # stock: our own slice would hang
@@ -354,7 +553,10 @@ class ExactRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break  # the sender was banned in the background; stop aggregating it
-                serialized = await loop.run_in_executor(None, wire.compress, averaged)
+                if isinstance(averaged, Settled):  # the round reducer's bytes, as every member gets them
+                    serialized = averaged.serialized
+                else:
+                    serialized = await loop.run_in_executor(None, wire.compress, averaged)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

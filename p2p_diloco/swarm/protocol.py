@@ -70,6 +70,7 @@ __all__ = [
     "RoundTag",
     "decide",
     "majority_tag",
+    "split_groups",
 ]
 
 GATHER_VERSION = 2  # bump when GatherPayload's wire form changes (peers of another version never vote alike)
@@ -266,3 +267,21 @@ def decide(
         where = "diverged from"
     reason = f"this peer's state ({mine}) is {where} the group's majority ({top}): resync{dropped}"
     return Decision(Action.RESYNC, reason, False, top, odd)
+
+
+def split_groups(reducers: list[bool], width: int) -> list[list[int]]:
+    """The members of one round (by index in the round's agreed order) split into groups of at most ``width`` that
+    each run their own butterfly; a round of more than ``width`` members combines its groups' means part by part
+    (swarm/butterfly.py), so every member still applies one mean. ``reducers[i]``: whether member i can reduce (client
+    mode cannot). Groups are as even as can be (sizes differ by one at most), and the reducers are spread first, so
+    every group holds one (with fewer reducers than ceil(n / width), there are that many groups, wider than
+    ``width``). Pure and deterministic: every member computes the same groups from the same round."""
+    if width < 1:
+        raise ValueError(f"width={width!r} must be >= 1")
+    n, nodes = len(reducers), [i for i, r in enumerate(reducers) if r]
+    count = max(1, min(-(-n // width), len(nodes)))
+    groups: list[list[int]] = [[] for _ in range(count)]
+    order = nodes + [i for i, r in enumerate(reducers) if not r]
+    for k, member in enumerate(order):
+        groups[k % count].append(member)
+    return [sorted(g) for g in groups]
