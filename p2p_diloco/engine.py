@@ -169,6 +169,7 @@ class RoundResult:
     outer_lr: float
     eval_loss: dict[str, float] | None = None
     decision: Action = Action.APPLY
+    lost_reason: str | None = None  # a round trained whose Δ̄ did not move this state: why (Worker.lost)
 
     @property
     def checksum(self) -> str:
@@ -198,7 +199,10 @@ class RoundResult:
             "outer_lr": self.outer_lr,
             "checksum": self.checksum,
             "decision": self.decision.value,
+            "lost": self.lost_reason is not None,
         }
+        if self.lost_reason is not None:
+            rec["lost_reason"] = self.lost_reason
         if len(self.reduce.gathered.payloads) > 1:
             rec["group_peers"] = self.reduce.gathered.peers
         if self.reduce.gathered.malformed:
@@ -262,6 +266,9 @@ class Worker:
         # steps the last exchange took at this peer's pace (``_adapt``), H // 10 until one was measured (and in the
         # simulator, whose exchange takes no time)
         self.overlap_steps = cfg.swarm.overlap_steps or max(1, cfg.inner.steps // 10)
+        # rounds trained whose Δ̄ did not move this outer state (discarded, resynced), for the caller to report
+        # (``take_lost``): every round a peer trains shows in its metrics, whatever became of it
+        self.lost: list[RoundResult] = []
 
     def _counted(self, batches: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         for batch in batches:
@@ -472,6 +479,9 @@ class Worker:
         done = self._carry_out(decision, averaged, info, sync)
         if done is None:
             self.state.copy_to(self.model.parameters())  # θ back to the (possibly downloaded) anchor
+            lost = RoundResult(self.state.round, mine.inner, info, self.tag_soon(), 0.0, None, decision.action)
+            lost.lost_reason = decision.reason
+            self.lost.append(lost)
             return None
         evals = self.maybe_evaluate(eval_sets)
         return RoundResult(self.state.round, mine.inner, info, self.tag_soon(), done, evals, decision.action)
@@ -595,6 +605,12 @@ class Worker:
                     self.tag(),
                     sent,
                 )
+                lost = RoundResult(self.state.round, pending.mine.inner, info, self.tag_soon(), 0.0)
+                lost.decision, lost.lost_reason = (
+                    Action.DISCARD,
+                    "the outer state changed while its exchange was in flight",
+                )
+                self.lost.append(lost)
             else:
                 result = self.settle(pending.mine, averaged, info, rules, sync, eval_sets)
         finally:
@@ -641,6 +657,11 @@ class Worker:
                 self.overlap_steps,
             )
         self.overlap_steps = steps
+
+    def take_lost(self) -> list[RoundResult]:
+        """The rounds lost since the last call (``lost``), oldest first."""
+        lost, self.lost = self.lost, []
+        return lost
 
     def close(self) -> None:
         """Let the exchange and hashing threads go (drain first: an exchange still in flight here is abandoned)."""

@@ -113,6 +113,7 @@ class PeerStatus:
     tokens_per_second: float
     total_tokens: int
     group_size: int
+    lost_rounds: int  # rounds it trained that moved no state (discarded, resynced): the swarm lost its work
     last_seen_seconds: float  # refresh time minus the record's ``time`` (clamped at 0: clocks differ)
     expires_in_seconds: float | None
 
@@ -221,6 +222,7 @@ class SwarmTracker:
                 tokens_per_second=r.tokens_per_second,
                 total_tokens=r.total_tokens,
                 group_size=r.group_size,
+                lost_rounds=r.lost_rounds,
                 last_seen_seconds=max(0.0, now - r.time),
                 expires_in_seconds=expirations[p] - now if p in expirations else None,
             )
@@ -300,11 +302,13 @@ def render_table(s: SwarmSummary) -> str:
     """The swarm line, one row per alive peer and the latest sample (tty console; also the page's fallback text)."""
     rows = [render_line(s)]
     if s.peers:
-        rows.append(f"  {'peer':<16}{'round':>6}{'loss':>9}{'tok/s':>10}{'tokens':>12}{'group':>6}{'seen':>7}")
+        rows.append(
+            f"  {'peer':<16}{'round':>6}{'loss':>9}{'tok/s':>10}{'tokens':>12}{'group':>6}{'lost':>6}{'seen':>7}"
+        )
         for p in s.peers.values():
             rows.append(
                 f"  {_short(p.peer_id):<16}{p.round:>6}{_num(p.train_loss):>9}{p.tokens_per_second:>10,.0f}"
-                f"{p.total_tokens:>12,}{p.group_size:>6}{p.last_seen_seconds:>6.0f}s"
+                f"{p.total_tokens:>12,}{p.group_size:>6}{p.lost_rounds:>6}{p.last_seen_seconds:>6.0f}s"
             )
     if s.sample is not None:
         rows.append("  " + render_sample(s.sample))

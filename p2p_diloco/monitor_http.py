@@ -82,6 +82,10 @@ class SummaryCollector:
             "peer_train_loss": ("Peer's train loss in its latest round", lambda p: p.train_loss),
             "peer_tokens_per_second": ("Peer's inner-loop tokens per second", lambda p: p.tokens_per_second),
             "peer_last_seen_seconds": ("Seconds since the peer's latest record", lambda p: p.last_seen_seconds),
+            "peer_lost_rounds": (
+                "Rounds the peer trained that moved no state (discarded, resynced)",
+                lambda p: p.lost_rounds,
+            ),
         }
         for name, (doc, get) in per_peer.items():
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["peer"])
@@ -153,7 +157,7 @@ img{margin:.3em;border:1px solid #ddd}
 <td id="tokens-per-second">-</td><td id="total-tokens">-</td><td id="rounds-completed">-</td>
 <td id="peers-joined">-</td><td id="peers-left">-</td><td id="bad-records">-</td></tr></table>
 <table id="peers"><thead><tr><th>peer</th><th>round</th><th>train loss</th><th>tokens/s</th><th>tokens</th>
-<th>group</th><th>last seen</th></tr></thead><tbody></tbody></table>
+<th>group</th><th>lost rounds</th><th>last seen</th></tr></thead><tbody></tbody></table>
 __SAMPLE__<div id="plots">__PLOTS__</div>
 <p><a href="status">/status</a> &middot; <a href="metrics">/metrics</a> &middot;
 updated <span id="updated">never</span></p>
@@ -186,7 +190,9 @@ async function refresh(){
     for (const p of Object.values(s.peers)) {
       const row = body.insertRow();
       for (const v of [p.peer_id, p.round, fmt(p.train_loss, 4), int(p.tokens_per_second), int(p.total_tokens),
-                       p.group_size, fmt(p.last_seen_seconds, 0) + " s"]) { row.insertCell().textContent = v; }
+                       p.group_size, p.lost_rounds, fmt(p.last_seen_seconds, 0) + " s"]) {
+        row.insertCell().textContent = v;
+      }
     }
     if (document.getElementById("sample")) showSample(s.sample, s.sample_error);
     set("updated", new Date(s.time * 1000).toLocaleTimeString());

@@ -336,7 +336,10 @@ class TrainingPeer:
             self.close()
 
     def _settled(self, result: RoundResult | None, started: float) -> None:
-        """A round that moved the outer state: report it, announce the new state, checkpoint when due."""
+        """Report every round trained since the last call: the lost ones (discarded, resynced: Worker.take_lost),
+        then the one that moved the outer state, which is announced and checkpointed when due."""
+        for lost in self.worker.take_lost():
+            self.reporter.report(lost, time.perf_counter() - started)
         if result is None:
             return
         self.reporter.report(result, time.perf_counter() - started)

@@ -85,6 +85,7 @@ class PeerRecord(pydantic.BaseModel):
     bytes_sent: int = pydantic.Field(ge=0)
     bytes_received: int = pydantic.Field(ge=0)
     peak_memory_bytes: int = pydantic.Field(ge=0)
+    lost_rounds: int = pydantic.Field(default=0, ge=0)  # rounds it trained that moved no state (discarded, resynced)
     time: float
 
 
@@ -110,6 +111,7 @@ class _PeerRecordWire(pydantic_v1.BaseModel):
     bytes_sent: _NonNegInt
     bytes_received: _NonNegInt
     peak_memory_bytes: _NonNegInt
+    lost_rounds: _NonNegInt = 0
     time: pydantic_v1.StrictFloat
 
     class Config:

@@ -1,6 +1,7 @@
 """What a training peer tells the world about its rounds: metrics.jsonl, its DHT record, the console, trackers.
 
-Inputs:  a RoundResult per applied round and the round's wall seconds; per inner step, (step index, loss).
+Inputs:  a RoundResult per round trained (applied, or lost: ``lost_reason``) and the round's wall seconds; per inner
+         step, (step index, loss).
 Output:  one JSON line per round in LOG_DIR/metrics.jsonl (``RoundResult.record()`` plus ``peer_id``, ``time``,
          ``total_tokens``, ``round_seconds``); then the same record to the trackers the config turns on
          (trackers.py: TensorBoard, wandb); the same summary as a signed PeerRecord under
@@ -40,6 +41,7 @@ class Reporter:
         self.cfg, self.log_dir, self.dht, self.peer_id, self.public_key = cfg, log_dir, dht, peer_id, public_key
         self.trackers = trackers if trackers is not None else Trackers([])
         self.total_tokens = 0
+        self.lost_rounds = 0  # rounds trained whose Δ̄ did not move this peer's state (discarded, resynced)
 
     def progress(self, round: int, device: Any) -> tuple[Callable[[int, float], None], Callable[[], None]]:
         """(on_step, close) for the inner steps of ``round``: a tqdm bar on a terminal, else periodic log lines."""
@@ -68,11 +70,14 @@ class Reporter:
         return on_step, lambda: None
 
     def report(self, result: RoundResult, wall: float) -> None:
+        """Every round trained, counted or lost (``result.lost_reason``): its line in metrics.jsonl, its DHT record."""
         self.total_tokens += result.inner.tokens
+        self.lost_rounds += result.lost_reason is not None
         record = {
             "peer_id": self.peer_id,
             "time": time.time(),
             "total_tokens": self.total_tokens,
+            "lost_rounds": self.lost_rounds,
             "round_seconds": wall,
             **result.record(),
         }
@@ -89,6 +94,13 @@ class Reporter:
             wait=False,  # the DHT process stores it while the next round trains
         )
         r = result.reduce
+        if result.lost_reason is not None:
+            print(
+                f"round lost ({result.decision.value}): {result.lost_reason}  loss {result.inner.mean_loss:.4f}  "
+                f"group {r.group_size}  at round {result.outer_step} with checksum {result.checksum}",
+                flush=True,
+            )
+            return
         evl = f"  eval {record['eval_loss']:.4f}" if record.get("eval_loss") is not None else ""
         print(
             f"round {result.outer_step}/{self.cfg.train.rounds}  loss {result.inner.mean_loss:.4f}{evl}  "
@@ -115,5 +127,6 @@ class Reporter:
             bytes_sent=int(result.reduce.bytes_sent),
             bytes_received=int(result.reduce.bytes_received),
             peak_memory_bytes=int(result.inner.peak_memory_bytes),
+            lost_rounds=self.lost_rounds,
             time=float(record["time"]),
         )

@@ -1,0 +1,172 @@
+"""Item 13: one swarm, one state. Real run_peer processes on 127.0.0.1; does every round end with one state?
+
+Usage:
+    python scripts/bench/one_state.py --peers 6 --group 3 --rounds 12            # 6 peers in groups of 3
+    python scripts/bench/one_state.py --peers 16 --group 4 --rounds 6 --case wide
+    python scripts/bench/one_state.py --peers 3 --rounds 6 --set inner.round_seconds=4 --client 2 --case budgeted
+    python scripts/bench/one_state.py --peers 3 --rounds 3 --late 2:8 --case late  # peer 2 starts 8 s after the rest
+    python scripts/bench/one_state.py --smoke                                     # 4 peers in groups of 2, 3 rounds
+
+Each case starts a bootstrap and ``--peers`` tiny-preset peers (one shard each, no eval), trains ``--rounds`` rounds
+and reads every peer's metrics.jsonl (every round a peer trains is a line: counted, or lost with its decision). Per
+case, written under its name into scripts/bench/results/one_state.json (``--out`` elsewhere):
+    states_per_round      per outer step, how many distinct checksums the peers' counted records hold
+    final_states          distinct checksums among the peers' last records
+    lost_peer_rounds      rounds a peer trained whose Δ moved no state that survived: lost records and local steps,
+                          as a share of all peer-rounds trained
+    contributed           per peer, the rounds whose Δ counted in a group of 2 or more (apply, catch_up)
+    groups                per outer step, the groups the round ran as (protocol.split_groups)
+    bytes_per_round       median payload bytes a peer sent in a round, and the 2(n-1)/n bound in the wire codec
+    peak_rss_bytes        the largest sum of every process's RSS (bootstrap, peers and their children), sampled 1/s
+Failure: a peer that exits non-zero or does not finish within ``--timeout`` is noted in the case's ``problem``; every
+process group is killed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import RESULTS_DIR, Proc, exit_on_sigterm, fill_defaults, proc_memory, read_jsonl, single_thread_env  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.procs import descendants  # noqa: E402
+
+TINY = "configs/tiny.yaml"
+DEFAULTS = {"peers": 6, "group": 3, "rounds": 12, "h": 10, "timeout": 900.0, "case": "default"}
+SMOKE = {"peers": 4, "group": 2, "rounds": 3, "h": 3, "timeout": 300.0, "case": "smoke"}
+COUNTED = ("apply", "catch_up")
+
+
+def machine_rss(pids: list[int]) -> int:
+    """The RSS of ``pids`` and all their descendants, summed (bytes)."""
+    total = 0
+    for pid in {*pids, *(c for p in pids for c, _, _ in descendants(p))}:
+        mem = proc_memory(pid)
+        total += mem["VmRSS"] if mem else 0
+    return total
+
+
+def summarize(records: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The case's figures (module doc) from each peer's metrics.jsonl records."""
+    by_step: dict[int, set[str]] = {}
+    groups: dict[int, int] = {}
+    for recs in records:
+        for r in recs:
+            if not r.get("lost") and r["decision"] in COUNTED:
+                by_step.setdefault(r["outer_step"], set()).add(r["checksum"])
+                groups[r["outer_step"]] = max(groups.get(r["outer_step"], 1), r.get("groups", 1))
+    trained = sum(len(recs) for recs in records)
+    lost = sum(1 for recs in records for r in recs if r.get("lost") or r["decision"] == "local_step")
+    sent = [r["bytes_sent"] for recs in records for r in recs if r["group_size"] > 1 and not r.get("lost")]
+    return {
+        "states_per_round": {str(k): len(v) for k, v in sorted(by_step.items())},
+        "final_states": len({recs[-1]["checksum"] for recs in records if recs}),
+        "peer_rounds_trained": trained,
+        "lost_peer_rounds": lost,
+        "lost_share": lost / trained if trained else None,
+        "contributed": [
+            sum(1 for r in recs if not r.get("lost") and r["decision"] in COUNTED and r["group_size"] > 1)
+            for recs in records
+        ],
+        "groups": {str(k): v for k, v in sorted(groups.items())},
+        "group_sizes": sorted({r["group_size"] for recs in records for r in recs}),
+        "median_bytes_sent": statistics.median(sent) if sent else None,
+    }
+
+
+def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    env = single_thread_env(1)
+    local = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    sets = [
+        f"inner.steps={args.h}",
+        f"train.rounds={args.rounds}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "logging.progress_bar=false",
+        f"data.num_shards={args.peers}",
+        f"swarm.target_group_size={args.group}",
+        f"swarm.run_id=one{int(time.time())}",
+        "swarm.join_timeout=120",
+        "swarm.state_timeout=60",
+        "swarm.linger_seconds=5",
+        *args.set,
+    ]
+    late = dict((int(k), float(s)) for k, s in (item.split(":") for item in args.late))
+    boot = Proc([sys.executable, "-m", "peers.run_bootstrap", *local], env=env)
+    procs: list[Proc] = []
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(1.0):
+            peak[0] = max(peak[0], machine_rss([boot.pid, *(p.pid for p in procs)]))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    problem, dirs, started = "", [workdir / f"peer{k}" for k in range(args.peers)], time.monotonic()
+    try:
+        initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
+        sampler.start()
+        order = sorted(range(args.peers), key=lambda k: late.get(k, 0.0))
+        t0 = time.monotonic()
+        for k in order:
+            time.sleep(max(0.0, t0 + late.get(k, 0.0) - time.monotonic()))
+            peer_sets = [*sets, f"data.shard_index={k}"]
+            flags = ["--client-mode"] if k in args.client else []
+            cmd = [sys.executable, "-m", "peers.run_peer", "--config", TINY, "--log-dir", str(dirs[k]), *local]
+            for s in peer_sets:
+                cmd += ["--set", s]
+            procs.append(Proc([*cmd, *flags, "--initial-peers", *initial], env=env))
+        for k, p in zip(order, procs, strict=True):
+            rc = p.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
+            if rc != 0:
+                problem += f"peer {k} exited with {rc}: {p.describe(10)}; "
+    except Exception as exc:  # noqa: BLE001 - recorded with the case; everything is killed below
+        problem += f"{type(exc).__name__}: {exc}"
+    finally:
+        stop.set()
+        for p in [*procs, boot]:
+            p.kill_group()
+    out = summarize([read_jsonl(d / "metrics.jsonl") for d in dirs])
+    out.update(peers=args.peers, group=args.group, rounds=args.rounds, sets=args.set, late=args.late)
+    out.update(client=args.client, peak_rss_bytes=peak[0], seconds=round(time.monotonic() - started, 1))
+    out["problem"] = problem
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--peers", type=int, default=None, help="run_peer processes (6)")
+    p.add_argument("--group", type=int, default=None, help="swarm.target_group_size (3)")
+    p.add_argument("--rounds", type=int, default=None, help="train.rounds (12)")
+    p.add_argument("--h", type=int, default=None, help="inner steps per round (10)")
+    p.add_argument("--set", action="append", default=[], help="another --set for every peer (repeatable)")
+    p.add_argument("--late", action="append", default=[], help="K:SECONDS: peer K starts that much later")
+    p.add_argument("--client", action="append", type=int, default=[], help="peer K runs with --client-mode")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole case (900)")
+    p.add_argument("--case", default=None, help="the name the case is written under")
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/one_state.json)")
+    p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
+    args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
+    exit_on_sigterm()
+    with tempfile.TemporaryDirectory(prefix="bench_one_state_") as tmp:
+        case = run_case(args, Path(tmp))
+    print(json.dumps(case, indent=1))
+    path = args.out or (Path(tempfile.mkdtemp()) / "one_state.json" if args.smoke else RESULTS_DIR / "one_state.json")
+    found = json.loads(path.read_text()) if path.exists() else {"item": "one_state", "cases": {}}
+    found["cases"][args.case] = {**case, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(found, indent=2))
+    print(f"wrote {path}")
+    return 0 if not case["problem"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
