@@ -67,11 +67,12 @@ def test_a_peer_that_stopped_refreshing_vouches_but_is_not_counted_or_asked():
 
 
 @pytest.mark.timeout(90)
-def test_a_round_expects_the_mates_ready_now_and_waits_for_the_next_one_when_none_is():
-    """Announced ready_at: a mate whose inner steps end within matchmaking_time of now is expected at this round's
-    matchmaking; a slower one (ready later) is not waited for, and one that has been averaging since long ago is
-    neither. With nobody ready now, group_wait says how long until the next mate is; a mate that says it is looking
-    for a group is ready now."""
+def test_a_round_waits_for_the_mates_ending_within_its_patience_and_for_the_next_one_when_none_is():
+    """Announced ready_at: a mate ready now, or whose round ends at most ``patience`` after ours, is expected at this
+    round's matchmaking, and group_wait holds us until it is nearly ready (half of matchmaking_time early: the
+    leader's window), so the round's peers meet in one group; a slower one is not waited for, and one that has been
+    averaging since long ago is neither. With nobody expected, group_wait says how long until the next mate is
+    ready; a mate that says it is looking for a group is ready now."""
     from hivemind.utils.timed_storage import get_dht_time
 
     cfg = load_config(TINY, [])
@@ -82,20 +83,22 @@ def test_a_round_expects_the_mates_ready_now_and_waits_for_the_next_one_when_non
             member.ready_at = ready_at
             assert member.announce(tag)
 
+        reader.expect_ready(get_dht_time(), patience=3 * window)  # mates up to 3 windows after us are waited for
+        reader.looking()
         assert reader.expected_members() == 1 and reader.group_wait() == 0.0  # alone: nothing to wait for
         announce(fast, 0.0)  # not known yet (its first step): expected, as everyone was before ready_at
         announce(slow, get_dht_time() + 100.0)
         assert reader.expected_members() == 2 and reader.group_wait() == 0.0
-        announce(fast, get_dht_time() + window / 2)  # about to be ready: expected, and waited for until then
-        assert reader.expected_members() == 2 and window / 2 - 5.0 < reader.group_wait() <= window / 2
+        announce(fast, get_dht_time() + 2 * window)  # ends within our patience: expected, and waited for
+        assert reader.expected_members() == 2 and 1.5 * window - 5.0 < reader.group_wait() <= 1.5 * window
         announce(fast, get_dht_time() - 3 * window)  # it has been averaging since: its next round is not announced
         assert reader.expected_members() == 1
-        assert 90.0 < reader.group_wait() <= 100.0  # nobody ready now: wait for the slow one
-        fast.expect_ready(get_dht_time() + 20.0)  # the non-blocking path, as the training peer announces
+        assert 90.0 < reader.group_wait() <= 100.0  # nobody expected: wait for the slow one
+        fast.expect_ready(get_dht_time() + 4 * window)  # the non-blocking path, as the training peer announces
         deadline = get_dht_time() + 20
         while reader.group_wait() > 25.0 and get_dht_time() < deadline:
             time.sleep(0.2)
-        assert 10.0 < reader.group_wait() <= 20.0 and reader.expected_members() == 1
+        assert 10.0 < reader.group_wait() <= 20.0 and reader.expected_members() == 1  # past our patience: later
         slow.looking()  # it waits for a group now (e.g. for the others' next round): ready, so nobody waits for it
         while reader.group_wait() > 0.0 and get_dht_time() < deadline + 20:
             time.sleep(0.2)

@@ -56,8 +56,8 @@ CASES = [
     ("ahead of the group", A6, group(A6, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
     ("diverged at the same round", B5, group(B5, A5, A5), True, LOCAL, Action.RESYNC, False, A5),
     ("in the majority, one member behind", A5, group(A5, A5, A4), True, LOCAL, Action.APPLY, True, A5),
-    ("tie: no majority", B5, group(B5, A5), True, LOCAL, Action.LOCAL_STEP, False, None),
-    ("tie, the other side", A5, group(A5, B5), True, LOCAL, Action.LOCAL_STEP, False, None),
+    ("tie of one round: the smaller checksum wins", B5, group(B5, A5), True, LOCAL, Action.RESYNC, False, A5),
+    ("tie, the other side", A5, group(A5, B5), True, LOCAL, Action.APPLY, True, A5),
     ("tie across rounds: one behind, catches up", A4, group(A4, A5), True, LOCAL, Action.CATCH_UP, True, A5),
     ("tie across rounds: the one in sync applies", A5, group(A5, A4), True, LOCAL, Action.APPLY, True, A5),
     ("tie across rounds, max_staleness 0: resync", A4, group(A4, A5), True, STRICT, Action.RESYNC, False, A5),
@@ -81,7 +81,8 @@ CASES = [
         False,
         None,
     ),
-    ("tie of two pairs, alone_policy wait", A5, group(A5, A5, B5, B5), True, WAIT, Action.DISCARD, False, None),
+    ("tie of two pairs, alone_policy wait", A5, group(A5, A5, B5, B5), True, WAIT, Action.APPLY, True, A5),
+    ("tie of two pairs, the other pair", B5, group(A5, A5, B5, B5), True, WAIT, Action.RESYNC, False, A5),
     ("a majority beside a tie of the rest", A5, group(A5, A5, B5, A4), True, LOCAL, Action.APPLY, True, A5),
     ("malformed payloads do not vote", A4, group(A4, A5, A5, garbage=3), True, LOCAL, Action.CATCH_UP, True, A5),
     ("malformed outvoting nobody", A5, group(A5, garbage=4), True, LOCAL, Action.APPLY, True, A5),
@@ -132,7 +133,9 @@ def test_reasons_name_what_happened():
 
 def test_majority_needs_a_valid_payload_and_no_tie():
     assert majority_tag(group(garbage=3)) is None
-    assert majority_tag(group(A5, B5)) is None and majority_tag(group(A5, B5, A5)) == A5
+    assert majority_tag(group(A5, B5, A5)) == A5
+    assert majority_tag(group(A5, B5)) == A5 == majority_tag(group(B5, A5))  # one round: the smaller checksum
+    assert majority_tag(group(A5, RoundTag(5 + 9, "0000"))) is None  # a far-ahead claim in a tie wins nothing
     assert decide(A5, group(garbage=3), True, LOCAL).action is Action.APPLY  # nobody to disagree with
 
 
@@ -191,7 +194,8 @@ def test_a_delayed_delta_counts_at_its_stale_weight_and_the_others_in_full():
     assert decide(A3, gathered, True, rules).reason.startswith("2 round(s) behind the group") and "x0.333" in (
         decide(A3, gathered, True, rules).reason
     )
-    assert RoundRules(4).weight_factors(group(A5, B5)) == {}  # a tie: nobody's Δ counts
+    assert RoundRules(4).weight_factors(group(A5, B5)) == {"p0": 1.0}  # a tie of one round: the smaller checksum
+    assert RoundRules(4).weight_factors(group(A5, RoundTag(20, "0000"))) == {}  # no majority: nobody's Δ counts
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 16, 17, 64, 255])

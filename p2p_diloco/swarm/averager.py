@@ -130,6 +130,7 @@ from p2p_diloco.swarm.butterfly import (
 )
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.identity import Identity, peer_id_of, verify
+from p2p_diloco.swarm.in_thread import ThreadOrProcess
 from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, RoundTag, split_groups
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
@@ -199,7 +200,7 @@ def _read_vote(message: Any) -> tuple[bool, bytes]:
         return False, b""
 
 
-class PseudoGradAverager(DecentralizedAverager):
+class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
     """DecentralizedAverager for fixed-shape fp32 pseudo-gradients; see the module docstring.
 
     All peers must use this class (hivemind names RPC handlers after the class) and the same ``prefix``.
@@ -235,6 +236,7 @@ class PseudoGradAverager(DecentralizedAverager):
         client_mode: bool | None = None,
         start: bool = True,
         shutdown_timeout: float = 5.0,
+        in_thread: bool = False,
     ):
         if "." in prefix or not prefix:
             raise ValueError(f"prefix={prefix!r} must be a non-empty string without '.'")
@@ -244,6 +246,7 @@ class PseudoGradAverager(DecentralizedAverager):
             raise ValueError(f"need 1 <= target_group_size ({target_group_size}) <= max_round_peers={max_round_peers}")
         self.shapes = [tuple(t.shape) for t in templates]
         self.group_width = target_group_size  # the widest butterfly; a round of more peers runs as several groups
+        self.in_thread = in_thread  # run as a thread of this process, not a child process (in_thread.py)
         super().__init__(
             [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes],
             dht,
@@ -262,7 +265,7 @@ class PseudoGradAverager(DecentralizedAverager):
             compression=WireCodec(get_codec(compression)),
             state_compression=NoCompression(),
             allow_state_sharing=False,
-            client_mode=client_mode,  # None: the DHT's mode; True: serve nothing even on a reachable node (the monitor)
+            client_mode=client_mode,  # None: the DHT's mode; True: serve nothing, even on a reachable node
             shutdown_timeout=shutdown_timeout,
         )
         self.matchmaking_time, self.request_timeout_s = matchmaking_time, request_timeout

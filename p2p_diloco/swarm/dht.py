@@ -2,7 +2,8 @@
 
 Inputs:  initial peers as multiaddr strings (``/ip4/1.2.3.4/tcp/31337/p2p/Qm...``), typed by a user on the
          command line or in ``P2P_DILOCO_INITIAL_PEERS``; several per value are allowed (space/comma separated).
-Output:  a running :class:`hivemind.dht.DHT` (a forked child process that owns a ``p2pd`` daemon).
+Output:  a running :class:`hivemind.dht.DHT` (a forked child process that owns a ``p2pd`` daemon; or, with
+         ``in_thread``, a thread of this process that owns one).
 State:   the DHT process and its p2pd child; :func:`shutdown_dht` stops both.
 Failure: :class:`SwarmSetupError` (a ``ValueError``) for bad input (malformed address, no initial peer, busy
          port, unusable identity file); :class:`SwarmUnreachableError` when no initial peer answered within
@@ -39,6 +40,8 @@ from typing import Any, TypeVar
 
 from hivemind.dht import DHT
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
+
+from p2p_diloco.swarm.in_thread import ThreadOrProcess
 
 __all__ = [
     "add_initial_peers_argument",
@@ -252,6 +255,12 @@ class _DHT(DHT):
             _stop_children()
 
 
+class _ThreadDHT(ThreadOrProcess, DHT):
+    """A hivemind DHT node run as a thread of this process (in_thread.py); its p2pd stops with the node."""
+
+    in_thread = True
+
+
 def shutdown_dht(dht: DHT, timeout: float = 5.0, graceful: bool = True) -> None:
     """Stop ``dht`` and its p2pd; kills what is still running after ``timeout`` seconds. Idempotent.
 
@@ -329,6 +338,7 @@ def start_dht(
     join_timeout: float,
     record_validators: Iterable[Any] = (),
     new_swarm: bool = False,
+    in_thread: bool = False,
     **dht_kwargs: Any,
 ) -> DHT:
     """Start a DHT node and join the swarm through ``initial_peers`` (or start a new swarm).
@@ -337,7 +347,8 @@ def start_dht(
     the p2pd startup and the bootstrap pings (each); the whole call returns or raises within about
     ``2 * join_timeout + 5`` seconds. ``dht_kwargs`` go to :class:`hivemind.dht.DHT` (and on to DHTNode/P2P), e.g.
     ``use_relay`` / ``use_auto_relay`` (libp2p circuit relays). ``client_mode``: accept no incoming connections
-    (behind NAT).
+    (behind NAT). ``in_thread``: run the node as a thread of this process, not a child process (in_thread.py: many
+    peers in one process).
     """
     if join_timeout <= 0:
         raise SwarmSetupError(f"join_timeout={join_timeout!r} must be > 0 seconds")
@@ -363,7 +374,7 @@ def start_dht(
             raise SwarmSetupError(f"identity file {identity_path!r}: directory {directory!r} does not exist")
 
     with children_ignore_sigint():
-        dht = _DHT(
+        dht = (_ThreadDHT if in_thread else _DHT)(
             initial_peers=peers,
             start=True,
             await_ready=False,

@@ -64,6 +64,7 @@ class PeerOptions:
     client_mode: bool | None = None  # True: --client-mode, False: --no-client-mode, None: by the reachability check
     use_relay: bool = True  # libp2p circuit relay: reach peers through relays (hivemind's default)
     use_auto_relay: bool = False  # look for relays and announce relayed addresses (behind NAT)
+    in_thread: bool = False  # the DHT node and the averager as threads of this process (many peers in one process)
     stop: threading.Event = field(default_factory=threading.Event)
 
 
@@ -150,7 +151,9 @@ class Membership(Announcements):
         self.subkey = owner_subkey(identity.public_key)
         self.states: list[RoundTag] = []  # our recent tags, oldest first
         self.ready_at = 0.0  # when our current inner steps end (DHT time; 0.0: not known)
-        self.patience = cfg.swarm.matchmaking_time  # how much later than now a mate may be ready and be waited for
+        # how much later than our own round's end a mate may be ready and still be waited for (expect_ready)
+        self.patience = cfg.swarm.matchmaking_time
+        self._looking_since: float | None = None  # when this round's exchange began looking for a group (DHT time)
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
         self._lock = threading.Lock()  # announce runs in the main thread and, once a state is hashed, the hashing one
 
@@ -172,20 +175,28 @@ class Membership(Announcements):
 
     def expect_ready(self, ready_at: float, patience: float | None = None) -> None:
         """Announce when our current inner steps will end (DHT time), without waiting for the DHT; ``patience``:
-        how much later than now a mate may be ready and still be waited for (at most swarm.matchmaking_time)."""
-        self.ready_at = max(0.0, float(ready_at)) if math.isfinite(ready_at) else 0.0
+        how much later than our own end a mate may be ready and still be waited for (at most half of
+        swarm.round_deadline)."""
+        self._looking_since = None  # a new round's inner steps: not looking for a group
         if patience is not None and math.isfinite(patience):
-            self.patience = min(self.cfg.swarm.matchmaking_time, max(0.0, patience))
+            self.patience = min(0.5 * self.cfg.swarm.round_deadline, max(0.0, patience))
+        self._say_ready_at(ready_at)
+
+    def looking(self) -> None:
+        """Announce that we are ready now and looking for a group (as a round's exchange begins, and again while it
+        waits for mates): ``ready_at`` is now, so a mate ending its round meanwhile expects us and does not wait."""
+        now = get_dht_time()
+        if self._looking_since is None:
+            self._looking_since = now
+        self._say_ready_at(now)
+
+    def _say_ready_at(self, ready_at: float) -> None:
+        self.ready_at = max(0.0, float(ready_at)) if math.isfinite(ready_at) else 0.0
         with self._lock:
             if self._value is None:
                 return
             self._value = value = {**self._value, "ready_at": self.ready_at}
         self._store(value, wait=False)
-
-    def looking(self) -> None:
-        """Announce that we are ready now and looking for a group (as a round's exchange begins, and again while it
-        waits for mates): ``ready_at`` is now, so a mate ending its round meanwhile expects us and does not wait."""
-        self.expect_ready(get_dht_time())
 
     def refresh(self) -> None:
         """Store our last announcement again (it says we are still here); called every HEARTBEAT seconds."""
@@ -206,36 +217,44 @@ class Membership(Announcements):
             return True
         return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
-    def _readiness(self, patience: float) -> tuple[int, list[float]]:
-        """(how many live mates are ready for a round's matchmaking now, when the others will be), by their
-        announced ``ready_at``: up to ``patience`` from now, or since at most ``swarm.matchmaking_time`` (still
-        looking for a group), or not known yet, is now; later is later; longer ago means it has been averaging
-        since (or did not announce its next round yet): neither."""
+    def _readiness(self) -> tuple[list[float], list[float]]:
+        """(the live mates this round's matchmaking expects, when the others will be ready), each as seconds from now
+        until its announced ``ready_at``: expected are the ones ready now (looking for a group since at most
+        ``swarm.matchmaking_time``, or not known yet: 0) and the ones whose round ends at most ``patience`` after
+        ours (after we began looking, or from now while our inner steps run); later is later; a ``ready_at`` longer
+        ago means the mate has been averaging since (or did not announce its next round yet): neither."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
-        ready, later = 0, []
+        bound = (self._looking_since if self._looking_since is not None else now) + self.patience
+        expected, later = [], []
         for v in self.mates():
             at = v.get("ready_at", 0.0)
             if not v.get("live") or not isinstance(at, float):
                 continue
-            if at == 0.0 or now - window <= at <= now + patience:
-                ready += 1
-            elif at > now + patience:
+            if at == 0.0 or now - window <= at <= now:
+                expected.append(0.0)
+            elif now < at <= bound:
+                expected.append(at - now)
+            elif at > bound:
                 later.append(at - now)
-        return ready, later
+        return expected, later
 
     def expected_members(self) -> int:
-        """How many peers will come to a round's matchmaking: us and the live peers with our settings that are ready
-        by now (``_readiness``); a slower peer, whose inner steps end later, is not waited for. The averager
-        assembles a group as soon as that many joined (swarm.target_group_size is only the cap)."""
-        return 1 + self._readiness(self.patience)[0]
+        """How many peers will come to this round's matchmaking: us and the live peers with our settings that are
+        ready, or whose rounds end at most ``patience`` after ours (``_readiness``: they are waited for,
+        ``group_wait``); a peer slower than that is not. The averager assembles a group as soon as that many joined
+        (swarm.max_round_peers is only the cap)."""
+        return 1 + len(self._readiness()[0])
 
     def group_wait(self) -> float:
-        """Seconds until the next live mate is ready, when none is ready now (its ``ready_at`` passed less than
-        ``swarm.matchmaking_time`` ago, or is not known) but one will be: a peer whose round ended before its mates'
-        waits for them, and a straggler that ended after their group formed waits for their next round instead of
-        matchmaking alone; else 0. The averager asks again as it waits: the answer is an estimate."""
-        ready, later = self._readiness(0.0)
-        return 0.0 if ready else min(later, default=0.0)
+        """Seconds to wait before matchmaking: until the last expected mate is nearly ready (its ``ready_at`` less
+        half of swarm.matchmaking_time, which the leader's window covers), so that the round's peers reach the
+        matchmaking together and form one group; with no mate expected but one later, until that one is ready (a
+        straggler that ended after its mates' group formed waits for their next round); else 0. The averager asks
+        again as it waits: the answers are estimates, revised as the mates go."""
+        expected, later = self._readiness()
+        if expected:
+            return max(0.0, max(expected) - 0.5 * self.cfg.swarm.matchmaking_time)
+        return min(later, default=0.0)
 
     def ahead(self, mine: RoundTag) -> RoundTag | None:
         """The furthest state that ``swarm.state_quorum`` mates vouch for (or all there are, when fewer) and a live

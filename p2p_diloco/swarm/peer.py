@@ -93,7 +93,9 @@ class _Pace:
 class TrainingPeer:
     """One training peer: ``run()`` joins, trains until ``train.rounds`` or a stop request, and cleans up."""
 
-    def __init__(self, cfg: Config, opts: PeerOptions) -> None:
+    def __init__(self, cfg: Config, opts: PeerOptions, data: DataPipeline | None = None) -> None:
+        """``data``: the run's pipeline when the caller built it already (peers of one process share it), else built
+        here."""
         if cfg.train.warm_start != "none":
             raise ConfigError(
                 f"train.warm_start={cfg.train.warm_start!r} runs in run_simulation only: a swarm starts from a "
@@ -104,7 +106,7 @@ class TrainingPeer:
         self.cfg, self.opts = cfg, opts
         self.log_dir = Path(opts.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.data = DataPipeline(cfg.data, cfg.seed)
+        self.data = data if data is not None else DataPipeline(cfg.data, cfg.seed)
         self.rules = RoundRules.from_config(cfg.swarm)
         self.dht = None
         self.identity: Identity | None = None
@@ -146,6 +148,7 @@ class TrainingPeer:
                 check_if_identity_free=not own_key,  # hivemind dials the id to check (seconds); a log dir is ours
                 use_relay=self.opts.use_relay,
                 use_auto_relay=self.opts.use_auto_relay,
+                in_thread=self.opts.in_thread,
             )
 
         self.dht = start(self.opts.client_mode is True)
@@ -181,6 +184,7 @@ class TrainingPeer:
             max_tokens=max_round_tokens(cfg),
             identity=identity,
             authorized=authorized,
+            in_thread=self.opts.in_thread,
         )
         self.averager.expected_members = members.expected_members
         self.averager.reachable_members = members.reachable_members

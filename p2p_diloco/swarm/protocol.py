@@ -29,7 +29,8 @@ payloads, so every member of a group reaches the same view of who counts. Its ta
   complete    no majority: the most common tags tie          as incomplete: local_step or discard, and nobody's
               (unless one is the furthest round and the                   Δ counts in the group's mean
               others at most MAX_STALENESS behind it: then
-              it is the majority)
+              it is the majority; or all are of one round:
+              then the smallest checksum is)
   incomplete  the swarm is ahead: a state that state_quorum  resync      no        not sent to any group (it would
               peers vouch for is more than max_staleness                          not count, and would split the
               rounds past ours (``ahead``, from the DHT)                          mates' group); download the state
@@ -216,13 +217,18 @@ class Decision:
 def majority_tag(gathered: Gathered, within: int = MAX_STALENESS) -> RoundTag | None:
     """The tag more valid payloads carry than any other; None when there is none (no valid payload, or a tie). A
     tie between a furthest round and tags at most ``within`` rounds behind it goes to the furthest: those are
-    stragglers (a group of two: one in sync, one delayed), while a far-ahead claim still wins nothing."""
+    stragglers (a group of two: one in sync, one delayed), while a far-ahead claim still wins nothing. A tie between
+    tags of one round (a swarm split into two lineages, as many peers on each) goes to the smaller checksum, which
+    every member picks alike: the other lineage resyncs, so a split heals in one round instead of lasting (before,
+    both sides took local steps)."""
     ranked = Counter(p.tag for p in gathered.payloads.values()).most_common()
     if not ranked:
         return None
     tied = [tag for tag, n in ranked if n == ranked[0][1]]
     if len(tied) == 1:
         return tied[0]
+    if len({tag.round for tag in tied}) == 1:  # two lineages of one round, as many on each: the smaller checksum
+        return min(tied, key=lambda tag: tag.checksum)
     furthest = max(tied, key=lambda tag: tag.round)
     behind = [furthest.round - tag.round for tag in tied if tag != furthest]
     return furthest if all(0 < b <= within for b in behind) else None

@@ -18,6 +18,7 @@ case, written under its name into scripts/bench/results/one_state.json (``--out`
     groups                per outer step, the groups the round ran as (protocol.split_groups)
     bytes_per_round       median payload bytes a peer sent in a round, and the 2(n-1)/n bound in the wire codec
     peak_rss_bytes        the largest sum of every process's RSS (bootstrap, peers and their children), sampled 1/s
+    peak_pss_bytes        the same in PSS (shared pages split among their processes: what the machine gives)
 Failure: a peer that exits non-zero or does not finish within ``--timeout`` is noted in the case's ``problem``; every
 process group is killed at the end.
 """
@@ -46,13 +47,14 @@ SMOKE = {"peers": 4, "group": 2, "rounds": 3, "h": 3, "timeout": 300.0, "case": 
 COUNTED = ("apply", "catch_up")
 
 
-def machine_rss(pids: list[int]) -> int:
-    """The RSS of ``pids`` and all their descendants, summed (bytes)."""
-    total = 0
+def machine_memory(pids: list[int]) -> tuple[int, int]:
+    """(RSS, PSS) of ``pids`` and all their descendants, summed (bytes). RSS counts the pages a forked child shares
+    with its parent once per process; PSS splits them, so it sums to what the processes take from the machine."""
+    rss = pss = 0
     for pid in {*pids, *(c for p in pids for c, _, _ in descendants(p))}:
-        mem = proc_memory(pid)
-        total += mem["VmRSS"] if mem else 0
-    return total
+        mem = proc_memory(pid) or {}
+        rss, pss = rss + mem.get("VmRSS", 0), pss + mem.get("Pss", 0)
+    return rss, pss
 
 
 def summarize(records: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -103,11 +105,12 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     late = dict((int(k), float(s)) for k, s in (item.split(":") for item in args.late))
     boot = Proc([sys.executable, "-m", "peers.run_bootstrap", *local], env=env)
     procs: list[Proc] = []
-    peak, stop = [0], threading.Event()
+    peak, stop = [0, 0], threading.Event()
 
     def sample() -> None:
         while not stop.wait(1.0):
-            peak[0] = max(peak[0], machine_rss([boot.pid, *(p.pid for p in procs)]))
+            rss, pss = machine_memory([boot.pid, *(p.pid for p in procs)])
+            peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
 
     sampler = threading.Thread(target=sample, daemon=True)
     problem, dirs, started = "", [workdir / f"peer{k}" for k in range(args.peers)], time.monotonic()
@@ -136,7 +139,9 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             p.kill_group()
     out = summarize([read_jsonl(d / "metrics.jsonl") for d in dirs])
     out.update(peers=args.peers, group=args.group, rounds=args.rounds, sets=args.set, late=args.late)
-    out.update(client=args.client, peak_rss_bytes=peak[0], seconds=round(time.monotonic() - started, 1))
+    out.update(
+        client=args.client, peak_rss_bytes=peak[0], peak_pss_bytes=peak[1], seconds=round(time.monotonic() - started, 1)
+    )
     out["problem"] = problem
     return out
 
