@@ -262,6 +262,11 @@ class Worker:
         self._hashing: tuple[OuterState, int, Future] | None = None
         self._hasher: ThreadPoolExecutor | None = None
         self.round_ends_at = 0.0  # inner.round_seconds: when the last time-budgeted inner phase had to end
+        # fixed H: end the next round's inner steps by this wall time (at least one step), set by a peer that took
+        # the swarm's state mid-round (it joined, or resynced) so that it ends with its mates and its Δ counts in their
+        # group instead of arriving a round behind; ``ends_by``: the current round's (None: a whole round)
+        self.end_by: float | None = None
+        self.ends_by: float | None = None
         # eager: the inner steps the next exchange has before it is settled (τ): swarm.overlap_steps, or with 0 the
         # steps the last exchange took at this peer's pace (``_adapt``), H // 10 until one was measured (and in the
         # simulator, whose exchange takes no time)
@@ -333,16 +338,18 @@ class Worker:
     def train_inner(self, on_step: Callable[[int, float], None] | None = None) -> InnerStats:
         """H inner steps from the current θ; the schedule continues at (rounds done or in flight) x H.
 
-        ``inner.round_seconds`` > 0: steps until the round's end on the swarm's clock (``inner.round_end``: the
-        next multiple of round_seconds in wall-clock time, which is hivemind's DHT time), at most H. A step's place
-        in the schedule is the share of the round's time gone, (rounds done + share) x H: the same lr for every
-        peer at the same moment of the same round, whatever its speed. A simulated worker (``speed``) takes
-        round_seconds x speed steps (at least 1, at most H) on the simulator's clock instead."""
+        With ``end_by`` set (fixed H), the steps stop before that wall time (at least one; the peer then ends its round
+        with its mates'). ``inner.round_seconds`` > 0: steps until the round's end on the swarm's clock
+        (``inner.round_end``: the next multiple of round_seconds in wall-clock time, which is hivemind's DHT time), at
+        most H. A step's place in the schedule is the share of the round's time gone, (rounds done + share) x H: the
+        same lr for every peer at the same moment of the same round, whatever its speed. A simulated worker
+        (``speed``) takes round_seconds x speed steps (at least 1, at most H) on the simulator's clock instead."""
         h, span = self.cfg.inner.steps, self.cfg.inner.round_seconds
         try:
             done = (self.state.round + self.in_flight) * h
-            if span <= 0:
-                return self.inner.run(self.batches, h, done, self.autocast, self.device, on_step)
+            if span <= 0:  # fixed H, or fewer steps to end with the mates (``end_by``: after a join or a download)
+                self.ends_by, self.end_by = self.end_by, None
+                return self.inner.run(self.batches, h, done, self.autocast, self.device, on_step, deadline=self.ends_by)
             if self.speed is not None:  # simulated: step k ends at (k + 1) / speed seconds into the round
                 steps = min(h, max(1, math.floor(span * self.speed + 1e-9)))
 

@@ -258,6 +258,34 @@ def test_peer_killed_mid_allreduce_never_yields_a_partial_mean(spawn):
             assert all(torch.equal(a, b) for a, b in zip(peer.result(), make_grads(seed, shapes), strict=True))
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_two_of_eight_killed_mid_allreduce_cost_the_survivors_no_round(spawn):
+    """A round of 8 in one group; 2 members are SIGKILLed after handing over a few parts. The survivors' reduce still
+    ends complete: every one of the 6 holds the same bits, the weighted mean of the 6 (no partial mean, no local
+    step), within the round's deadline."""
+    shapes = [[300, 500], [60000], [40, 1000]]  # 250k floats; 8 KiB parts
+    averager = {**FAST, "target_group_size": 8, "part_size_bytes": 8 * 1024, "matchmaking_time": 4.0}
+    averager["next_chunk_timeout"] = 2.0
+    doomed = {6: {"kill_after_parts": 3}, 7: {"kill_after_parts": 5}}
+    peers = start_swarm(spawn, 8, per_peer=doomed, shapes=shapes, averager=averager)
+    weights = [1.0, 3.0, 2.0, 4.0, 1.0, 2.0, 5.0, 3.0]
+    for peer, weight in zip(peers, weights, strict=True):
+        peer.send(f"REDUCE {weight}")
+    for k in doomed:
+        peers[k].expect("DYING", 60)
+    results = [peer.expect("RESULT", 150) for peer in peers[:6]]
+    infos = [res["info"] for res in results]
+    print("kill 2 of 8:", [(i["group_size"], i["attempts"], round(i["matchmaking_seconds"] + i["allreduce_seconds"], 1))
+                            for i in infos])  # fmt: skip
+    assert all(i["complete"] and i["group_size"] == 6 for i in infos), [i["reason"] for i in infos]
+    assert max(i["attempts"] for i in infos) >= 2, infos  # the round the two died in was retried, not lost
+    first = peers[0].result()
+    for peer in peers[1:6]:
+        assert all(torch.equal(a, b) for a, b in zip(first, peer.result(), strict=True))
+    assert_close(first, weighted_mean(list(range(6)), weights[:6], shapes))
+
+
 @pytest.fixture
 def lone_peer(spawn):
     averager = {**FAST, "target_group_size": 4, "min_group_size": 2, "matchmaking_time": 2.0}

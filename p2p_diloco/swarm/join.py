@@ -256,6 +256,22 @@ class Membership(Announcements):
             return max(0.0, max(expected) - 0.5 * self.cfg.swarm.matchmaking_time)
         return min(later, default=0.0)
 
+    def round_end(self) -> float | None:
+        """When the live mates' current rounds end (DHT time, the median of the ``ready_at`` they announced that lie
+        ahead): a peer that took the swarm's state mid-round trains until then, to end with them. Now when no mate
+        announced an end ahead but one is looking for a group now; None when neither (no round to join)."""
+        now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
+        ahead, looking = [], False
+        for v in self.mates():
+            at = v.get("ready_at", 0.0)
+            if v.get("live") and isinstance(at, float):
+                if at > now:
+                    ahead.append(at)
+                looking |= now - window <= at <= now
+        if ahead:
+            return sorted(ahead)[len(ahead) // 2]
+        return now if looking else None
+
     def ahead(self, mine: RoundTag) -> RoundTag | None:
         """The furthest state that ``swarm.state_quorum`` mates vouch for (or all there are, when fewer) and a live
         one holds, when it is more than ``swarm.max_staleness`` rounds past ``mine``: the swarm has averaged on

@@ -302,7 +302,24 @@ class TrainingPeer:
         if self.cfg.inner.round_seconds > 0:
             self.members.expect_ready(self.worker.round_ends_at, 0.2 * self.cfg.inner.round_seconds)
             return
-        self.members.expect_ready(now + pace * (steps - done), max(0.5 * pace * steps, wait))
+        ready_at = now + pace * (steps - done)
+        if self.worker.ends_by is not None:  # a round cut short to end with the mates' (_align)
+            ready_at = min(ready_at, max(now, self.worker.ends_by))
+        self.members.expect_ready(ready_at, max(0.5 * pace * steps, wait))
+
+    def _align(self) -> None:
+        """After this peer took the swarm's state (it joined, or resynced), end its next round's inner steps with its
+        mates' current round (Membership.round_end), so its Δ counts in their group: a peer a few seconds late, or
+        one that spent part of a round downloading, would otherwise arrive a round behind every time and resync again.
+        Fixed H only (inner.round_seconds ends every peer's round at the same instant already), not with an exchange
+        in flight."""
+        if self.cfg.inner.round_seconds > 0 or self.worker.in_flight:
+            return
+        end = self.members.round_end()
+        if end is not None:
+            self.worker.end_by = end
+            log.info("took the swarm's state mid-round: the next inner steps end with the mates' round, in %.1fs",
+                     max(0.0, end - time.time()))  # fmt: skip
 
     def run(self) -> int:
         """Train until train.rounds or a stop request; always leaves no process behind. Exit code 0 (RoundsFailing
@@ -310,9 +327,12 @@ class TrainingPeer:
         try:
             self.start()
             worker = self.worker
+            self._align()  # its first round ends with the mates' (a peer that started late, or downloaded)
             while worker.state.round + worker.in_flight < self.cfg.train.rounds and not self.opts.stop.is_set():
-                started = time.perf_counter()
+                started, adopted = time.perf_counter(), self.sync.adopted
                 self._settled(self.run_round(), started)
+                if self.sync.adopted != adopted:
+                    self._align()
             if worker.in_flight:  # swarm.overlap eager: the last exchange (or the one a stop found in flight)
                 started = time.perf_counter()
                 drain = functools.partial(worker.drain, self.rules, self.sync, self.eval_sets)

@@ -152,6 +152,7 @@ class StateSync:
         self.lock = threading.Lock()
         self.consensus = True  # the seed, a checkpoint or a download: nothing local-only yet
         self.version = 0  # bumped by every change of the outer state made here
+        self.adopted = 0  # states taken from the swarm (downloads: join, resync, catch-up to a state past the group's)
         self._start: tuple[int, OuterState, bool] | None = None  # (version, copy, consensus) at the round's start
         self._good: tuple[OuterState, bool] | None = None  # the last state a round's inner steps ran from, finite
 
@@ -214,6 +215,7 @@ class StateSync:
             self.worker.load_state(offer.state)
             self.consensus = offer.consensus
             self.version += 1
+            self.adopted += 1
         self.on_change()
         log.info("%s: took the outer state at %s", why, offer.tag)
 

@@ -36,7 +36,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import RESULTS_DIR, Proc, exit_on_sigterm, fill_defaults, proc_memory, read_jsonl, single_thread_env  # noqa: E402
+from benchlib import (  # noqa: E402
+    RESULTS_DIR,
+    Proc,
+    exit_on_sigterm,
+    fill_defaults,
+    log_tail,
+    proc_memory,
+    read_jsonl,
+    single_thread_env,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.procs import descendants  # noqa: E402
@@ -114,10 +123,10 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     problem, dirs, started = "", [workdir / f"peer{k}" for k in range(args.peers)], time.monotonic()
+    order = sorted(range(args.peers), key=lambda k: late.get(k, 0.0))
     try:
         initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
         sampler.start()
-        order = sorted(range(args.peers), key=lambda k: late.get(k, 0.0))
         t0 = time.monotonic()
         for k in order:
             time.sleep(max(0.0, t0 + late.get(k, 0.0) - time.monotonic()))
@@ -143,6 +152,10 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         client=args.client, peak_rss_bytes=peak[0], peak_pss_bytes=peak[1], seconds=round(time.monotonic() - started, 1)
     )
     out["problem"] = problem
+    lossy = [
+        k for k, d in zip(order, dirs, strict=False) if any(r.get("lost") for r in read_jsonl(d / "metrics.jsonl"))
+    ]
+    out["log_tails"] = {str(k): tail for k, tail in zip(order, log_tail(procs, 25), strict=False) if k in lossy}
     return out
 
 
@@ -158,11 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole case (900)")
     p.add_argument("--case", default=None, help="the name the case is written under")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/one_state.json)")
+    p.add_argument("--keep", type=Path, default=None, help="keep every peer's log dir under this directory")
     p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
     args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
     exit_on_sigterm()
-    with tempfile.TemporaryDirectory(prefix="bench_one_state_") as tmp:
-        case = run_case(args, Path(tmp))
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        case = run_case(args, args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench_one_state_") as tmp:
+            case = run_case(args, Path(tmp))
     print(json.dumps(case, indent=1))
     path = args.out or (Path(tempfile.mkdtemp()) / "one_state.json" if args.smoke else RESULTS_DIR / "one_state.json")
     found = json.loads(path.read_text()) if path.exists() else {"item": "one_state", "cases": {}}
