@@ -163,7 +163,7 @@ def test_three_peers_get_the_weighted_mean(spawn, compression):
 def test_a_round_of_more_peers_than_a_group_applies_one_weighted_mean(spawn, compression):
     """5 peers, groups of at most 2: the round runs as 3 butterflies (2 + 2 + 1 members) whose means each part's round
     reducer combines, and every member of every group ends with the same bits: the weighted mean of all 5."""
-    cfg = {**FAST, "compression": compression, "target_group_size": 2, "part_size_bytes": 4096}
+    cfg = {**FAST, "compression": compression, "target_group_size": 2, "max_round_peers": 5, "part_size_bytes": 4096}
     peers = start_swarm(spawn, 5, averager=cfg)
     weights = [1.0, 2.0, 5.0, 3.0, 4.0]
     for peer, weight in zip(peers, weights, strict=True):

@@ -208,6 +208,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
 
     _rpc_handlers, _stub_type = None, None  # collect this class's own rpc_* (hivemind caches them per class)
     _served_values = 0  # averager process: values in the state we served last (prices a piece before the host is asked)
+    _designated: str | None = None  # averager process: who leads this round's matchmaking (None: anyone may)
 
     def __init__(
         self,
@@ -224,7 +225,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         part_size_bytes: int,
         round_deadline: float,
         max_reduce_attempts: int,
-        max_round_peers: int = 256,
+        max_round_peers: int | None = None,
         rules: RoundRules | None = None,
         aggregation: str = "mean",
         aggregation_clip: float = 1.0,
@@ -242,6 +243,9 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             raise ValueError(f"prefix={prefix!r} must be a non-empty string without '.'")
         if not 0 < request_timeout < matchmaking_time:
             raise ValueError(f"need 0 < request_timeout ({request_timeout}) < matchmaking_time ({matchmaking_time})")
+        max_round_peers = (
+            target_group_size if max_round_peers is None else max_round_peers
+        )  # None: a round is one group
         if not 1 <= target_group_size <= max_round_peers:
             raise ValueError(f"need 1 <= target_group_size ({target_group_size}) <= max_round_peers={max_round_peers}")
         self.shapes = [tuple(t.shape) for t in templates]
@@ -308,6 +312,10 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         # (e.g. Membership.ahead); asked as reduce begins and while it waits: a peer the swarm has left behind looks
         # for no group, since its Δ would not count and its joining would split its mates' group
         self.swarm_ahead: Callable[[RoundTag], RoundTag | None] | None = None
+        # host side: who leads this round's matchmaking, given the leaders that failed us this round (e.g.
+        # Membership.leader: the smallest peer id among the expected): only it declares itself, so the round's peers
+        # meet in one group instead of several formed at once; None: anyone may (hivemind's matchmaking)
+        self.round_leader: Callable[[frozenset[str]], str | None] | None = None
         self._closing = threading.Event()
         self._state_thread = _state_thread_of(self._outer_pipe)  # hivemind's, serving our state: shutdown joins it
         if start:
@@ -389,6 +397,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         alone = Gathered({str(self.peer_id): payload} if payload is not None else {})
         info = ReduceInfo(gathered=alone, check_seconds=time.monotonic() - start)
         notes: list[str] = []
+        failed_leaders: set[str] = set()
         if self.client_mode and self._no_reachable_member():
             info.group_size, info.reason = 1, NO_REACHABLE_MEMBER
             return [g.clone() for g in grads], info
@@ -402,7 +411,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
                 notes.append(f"no time for attempt {info.attempts + 1} within round_deadline={self.round_deadline}s")
                 break
             info.attempts += 1
-            averaged, why, retry = self._attempt(grads, float(weight), gather, info)
+            averaged, why, retry = self._attempt(grads, float(weight), gather, info, failed_leaders)
             if averaged is not None:
                 info.complete, info.reason = True, "; ".join(notes)
                 return averaged, info
@@ -510,7 +519,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         return wire if verify(raw["key"], payload.signed_bytes(self.prefix, peer_id), raw["sig"]) else None
 
     def _attempt(
-        self, grads: list[torch.Tensor], weight: float, gather: Any, info: ReduceInfo
+        self, grads: list[torch.Tensor], weight: float, gather: Any, info: ReduceInfo, failed_leaders: set[str]
     ) -> tuple[list[torch.Tensor] | None, str, bool]:
         """One step on freshly copied buffers -> (averaged or None, why not, whether a retry makes sense)."""
         if not self.is_alive():
@@ -520,7 +529,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             for buf, grad in zip(shared, grads, strict=True):
                 buf.copy_(grad)
         info.copy_seconds += time.monotonic() - t0
-        self._expect_members()
+        leader = self._expect_members(failed_leaders)
         t0, control, totals = time.monotonic(), None, self._payload_totals.clone()
         # hivemind starts the all-reduce at the leader's deadline; a follower whose own step times out at the
         # same moment leaves a group the others then run without it. One more matchmaking period of slack.
@@ -537,7 +546,11 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             self._count_payload(info, totals)  # a failed all-reduce's bytes were sent all the same
             if not began:
                 info.matchmaking_seconds += time.monotonic() - t0
-                return None, f"no group formed ({type(e).__name__}: {e})", False
+                led = ""
+                if leader is not None and leader != str(self.peer_id):
+                    failed_leaders.add(leader)  # the next attempt is led by the next peer in line
+                    led = f" under {leader[-6:]}"
+                return None, f"no group formed{led} ({type(e).__name__}: {e})", False
             info.allreduce_seconds += time.monotonic() - t0
             return None, f"all-reduce failed ({type(e).__name__}: {e})", True
         info.matchmaking_seconds += out["t_group"] - t0
@@ -562,24 +575,31 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         info.bytes_sent += sent
         info.bytes_received += received
 
-    def _expect_members(self) -> None:
-        """Tell the averager process how many members to assemble a group at: the expected count, within
-        [min_group_size, target_group_size]. A leader whose group holds that many starts at once; one that waits
-        for a peer that does not come starts at matchmaking_time as before."""
-        if self.expected_members is None:
-            return
+    def _expect_members(self, failed_leaders: set[str]) -> str | None:
+        """Tell the averager process how many members to assemble the round at (the expected count, within
+        [min_group_size, max_round_peers]: a leader whose group holds that many starts at once, one that waits for a
+        peer that does not come starts at matchmaking_time) and who leads it (``round_leader``, less the leaders that
+        failed us this round; None: anyone may, as hivemind's matchmaking decides). Returns that leader."""
+        expected, leader = self.target_group_size_cap, None
         try:
-            expected = int(self.expected_members())
+            if self.expected_members is not None:
+                expected = int(self.expected_members())
+            if self.round_leader is not None:
+                leader = self.round_leader(frozenset(failed_leaders))
         except Exception as exc:  # noqa: BLE001 - not knowing who will come only costs the wait
-            log.debug("expected members unknown (%r): assembling at target_group_size", exc)
-            expected = self.target_group_size_cap
+            log.debug("expected members or leader unknown (%r): assembling at max_round_peers", exc)
         size = max(self.matchmaking_kwargs["min_group_size"], min(self.target_group_size_cap, expected))
-        self._outer_pipe.send(("_set_group_target", [], dict(size=size)))
+        self._outer_pipe.send(("_set_group_target", [], dict(size=size, leader=leader)))
+        return leader
 
-    async def _set_group_target(self, size: int) -> None:
-        """(averager process) Assemble groups at ``size`` members from now on (the next step reads it)."""
+    async def _set_group_target(self, size: int, leader: str | None = None) -> None:
+        """(averager process) Assemble groups at ``size`` members from now on (the next step reads it); with a
+        ``leader``, only that peer declares itself a leader and the others ask only it (``_matchmaking``)."""
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
+        self._designated = leader
+        # hivemind's client_mode of the matchmaking alone: it neither declares itself nor accepts followers
+        self._matchmaking.client_mode = self.client_mode or (leader is not None and leader != str(self.peer_id))
 
     # ---------------------------------------------------------------- averager process: all-reduce + vote
     def _vote_state(self, group_id: bytes, members: Sequence[Any] | None = None) -> dict[str, Any]:
@@ -843,7 +863,8 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         ask = matchmaking._request_join_group
 
         async def ask_admitted(leader: Any) -> Any:
-            return await ask(leader) if self._admitted(leader) else None
+            designated = self._designated is None or str(leader) == self._designated
+            return await ask(leader) if designated and self._admitted(leader) else None
 
         matchmaking._request_join_group = ask_admitted
         self.__dict__["_matchmaking_"] = matchmaking

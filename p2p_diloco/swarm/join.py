@@ -217,26 +217,42 @@ class Membership(Announcements):
             return True
         return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
-    def _readiness(self) -> tuple[list[float], list[float]]:
-        """(the live mates this round's matchmaking expects, when the others will be ready), each as seconds from now
-        until its announced ``ready_at``: expected are the ones ready now (looking for a group since at most
-        ``swarm.matchmaking_time``, or not known yet: 0) and the ones whose round ends at most ``patience`` after
-        ours (after we began looking, or from now while our inner steps run); later is later; a ``ready_at`` longer
-        ago means the mate has been averaging since (or did not announce its next round yet): neither."""
+    def _readiness(self) -> tuple[dict[str, float], list[float], set[str]]:
+        """(the live mates this round's matchmaking expects, by peer id, when the others will be ready, the expected
+        ones in client mode), as seconds from now until their announced ``ready_at``: expected are the ones ready now
+        (looking for a group since at most ``swarm.matchmaking_time``, or not known yet: 0) and the ones whose round
+        ends at most ``patience`` after ours (after we began looking, or from now while our inner steps run); later is
+        later; a ``ready_at`` longer ago means the mate has been averaging since (or did not announce its next round
+        yet): neither."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience
-        expected, later = [], []
-        for v in self.mates():
+        expected, later, clients = {}, [], set()
+        for peer, v in self.others().items():
             at = v.get("ready_at", 0.0)
-            if not v.get("live") or not isinstance(at, float):
+            if v.get("fingerprint") != self.fingerprint or not v.get("live") or not isinstance(at, float):
                 continue
             if at == 0.0 or now - window <= at <= now:
-                expected.append(0.0)
+                expected[peer] = 0.0
             elif now < at <= bound:
-                expected.append(at - now)
+                expected[peer] = at - now
             elif at > bound:
                 later.append(at - now)
-        return expected, later
+            if peer in expected and v.get("client"):
+                clients.add(peer)
+        return expected, later, clients
+
+    def leader(self, exclude: frozenset[str] = frozenset()) -> str | None:
+        """Who leads this round's matchmaking: the smallest peer id among us and the expected mates that accept calls
+        (not client mode), less ``exclude`` (leaders that failed us this round). Every peer of the round computes
+        the same one from the same announcements, and only it declares itself a leader, so the round's peers meet in
+        one group instead of several that formed at once; None when nobody can lead (then hivemind's matchmaking
+        decides)."""
+        expected, _, clients = self._readiness()
+        candidates = set(expected) - clients
+        if not self.client:
+            candidates.add(self.peer_id)
+        candidates -= exclude
+        return min(candidates, default=None)
 
     def expected_members(self) -> int:
         """How many peers will come to this round's matchmaking: us and the live peers with our settings that are
@@ -251,9 +267,9 @@ class Membership(Announcements):
         matchmaking together and form one group; with no mate expected but one later, until that one is ready (a
         straggler that ended after its mates' group formed waits for their next round); else 0. The averager asks
         again as it waits: the answers are estimates, revised as the mates go."""
-        expected, later = self._readiness()
+        expected, later, _ = self._readiness()
         if expected:
-            return max(0.0, max(expected) - 0.5 * self.cfg.swarm.matchmaking_time)
+            return max(0.0, max(expected.values()) - 0.5 * self.cfg.swarm.matchmaking_time)
         return min(later, default=0.0)
 
     def round_end(self) -> float | None:

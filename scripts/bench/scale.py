@@ -1,0 +1,314 @@
+"""Item 14: the swarm at 16 to 256 peers on one machine: many real peers per process, each with its own p2pd.
+
+Usage:
+    python scripts/bench/scale.py --peers 16                  # 16 peers, 8 per process, 4 rounds
+    python scripts/bench/scale.py --peers 64 --group 16 --per-process 16 --rounds 4
+    python scripts/bench/scale.py --smoke                     # 6 peers in groups of 3, 2 rounds (CI)
+
+Each peer is a real TrainingPeer (swarm/peer.py: its DHT node, its averager with the round's matchmaking, groups
+and vote, its announcements, state downloads, healing), only lighter: its DHT node and averager run as threads of a
+host process (swarm/in_thread.py, ``--per-process`` peers per process sharing one DataPipeline) and its model is a
+micro Llama (hidden 16, one layer: ~10k parameters, tiny tensors) taking ``--h`` steps of 2 x 16 tokens a round.
+Every peer keeps its own p2pd (a libp2p identity is one daemon). A bootstrap node starts first; round 1 waits until
+every peer is up (swarm.start_peers). Figures, from every peer's metrics.jsonl and the hosts' counters, written
+under ``--case`` (default: the peer count) into scripts/bench/results/scale.json (``--out`` elsewhere):
+    rounds_per_minute     rounds applied per minute of the run, from the first round's end to the last's
+    lost_share            peer-rounds trained whose Δ moved no state (lost records, local steps) / all trained
+    states_per_round      per outer step, distinct checksums among the peers' counted records (1: one state)
+    final_states          distinct checksums among the peers' last records
+    bytes_per_round       median payload bytes a peer sent in a counted round, and that over the 2(n-1)/n bound
+                          (the round's n, in the wire codec: simulate.wire_bytes_sent)
+    dht_per_peer_round    DHT reads and writes per peer per round, from every DHT call of the host processes
+                          (announcements, records, vouches, the averager's matchmaking)
+    memory                the machine's peak memory in use (MemTotal - MemAvailable) over the run, less before it;
+                          per peer; and the peak summed PSS of the processes
+Failure: a host process that exits non-zero or a run over ``--timeout`` is noted in ``problem``; every process
+group is killed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import RESULTS_DIR, Proc, exit_on_sigterm, fill_defaults, proc_memory, read_jsonl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from scripts.procs import descendants  # noqa: E402
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+DEFAULTS = {"peers": 16, "group": 16, "per_process": 8, "rounds": 4, "h": 3, "timeout": 1500.0}
+SMOKE = {"peers": 6, "group": 3, "per_process": 3, "rounds": 2, "h": 2, "timeout": 400.0}
+COUNTED = ("apply", "catch_up")
+MICRO = [
+    "model.hidden_size=16",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=32",
+    "model.max_seq_len=16",
+    "data.seq_len=16",
+    "data.batch_size=2",
+    "data.eval_batches=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.threads=1",
+    "logging.progress_bar=false",
+    "logging.log_every=0",
+    "swarm.part_size_bytes=4096",
+    "swarm.linger_seconds=20",
+    "swarm.record_ttl=300",
+]
+
+
+def overrides(args: argparse.Namespace, run_id: str) -> list[str]:
+    """Every peer's --set: the micro model, the run's size and timeouts that a loaded machine of many peers needs."""
+    return [
+        *MICRO,
+        f"inner.steps={args.h}",
+        f"train.rounds={args.rounds}",
+        f"data.num_shards={args.peers}",
+        f"swarm.target_group_size={args.group}",
+        f"swarm.run_id={run_id}",
+        f"swarm.start_peers={args.peers}",
+        "swarm.matchmaking_time=15",
+        "swarm.request_timeout=5",
+        "swarm.allreduce_timeout=120",
+        "swarm.next_chunk_timeout=30",
+        "swarm.round_deadline=400",
+        "swarm.dht_timeout=30",
+        "swarm.join_timeout=600",
+        "swarm.state_timeout=120",
+        *args.set,
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ host process
+
+
+def host(args: argparse.Namespace) -> int:
+    """Run peers ``--first`` .. ``--first + --count - 1`` as threads of this process until they finish."""
+    from hivemind.dht import DHT
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.data import DataPipeline
+    from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
+    from p2p_diloco.threads import apply_threads
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    calls = {"get": 0, "store": 0}
+    for name in calls:  # every DHT read and write of these peers (ours and the averager's matchmaking)
+        original = getattr(DHT, name)
+
+        def counted(self: Any, *a: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
+            calls[_name] += 1
+            return _original(self, *a, **kw)
+
+        setattr(DHT, name, counted)
+    cfg = load_config(TINY, json.loads(args.sets))
+    apply_threads(1)
+    data = DataPipeline(cfg.data, cfg.seed)
+    results: dict[int, str] = {}
+
+    def run(k: int) -> None:
+        opts = PeerOptions(
+            initial_peers=args.initial,
+            log_dir=Path(args.workdir) / f"peer{k}",
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            client_mode=False,
+            in_thread=True,
+        )
+        try:
+            results[k] = str(TrainingPeer(cfg, opts, data).run())
+        except Exception as exc:  # noqa: BLE001 - reported by the host, the others go on
+            results[k] = f"{type(exc).__name__}: {exc}"
+
+    threads = [
+        threading.Thread(target=run, args=(k,), name=f"peer{k}") for k in range(args.first, args.first + args.count)
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.5)  # p2pd start-ups one after the other
+    for t in threads:
+        t.join()
+    print("HOST " + json.dumps({"results": results, "dht_calls": calls}), flush=True)
+    return 0 if all(r == "0" for r in results.values()) else 1
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _used() -> int:
+    m = _meminfo()
+    return m["MemTotal"] - m["MemAvailable"]
+
+
+def summarize(args: argparse.Namespace, records: list[list[dict[str, Any]]], dht_calls: dict[str, int]) -> dict:
+    from p2p_diloco.config import load_config
+    from p2p_diloco.data import DataPipeline
+    from p2p_diloco.model import build_model
+    from p2p_diloco.simulate import wire_bytes_sent
+
+    by_step: dict[int, set[str]] = {}
+    ends: list[float] = []
+    for recs in records:
+        for r in recs:
+            if not r.get("lost") and r["decision"] in COUNTED:
+                by_step.setdefault(r["outer_step"], set()).add(r["checksum"])
+                ends.append(r["time"])
+    trained = sum(len(recs) for recs in records)
+    lost = sum(1 for recs in records for r in recs if r.get("lost") or r["decision"] == "local_step")
+    counted = [r for recs in records for r in recs if not r.get("lost") and r["group_size"] > 1]
+    cfg = load_config(TINY, overrides(args, "x"))
+    shapes = [p.shape for p in build_model(cfg.model, DataPipeline(cfg.data, cfg.seed).vocab_size, 0).parameters()]
+    ratios = [r["bytes_sent"] / wire_bytes_sent(cfg, shapes, r["group_size"]) for r in counted]
+    rounds = max(by_step, default=0)
+    minutes = (max(ends) - min(ends)) / 60 if len(ends) > 1 else None
+    return {
+        "rounds_applied": rounds,
+        "rounds_per_minute": (rounds - 1) / minutes if minutes else None,
+        "peer_rounds_trained": trained,
+        "lost_peer_rounds": lost,
+        "lost_share": lost / trained if trained else None,
+        "states_per_round": {str(k): len(v) for k, v in sorted(by_step.items())},
+        "final_states": len({recs[-1]["checksum"] for recs in records if recs}),
+        "group_sizes": sorted({r["group_size"] for recs in records for r in recs}),
+        "groups_per_round": sorted({r.get("groups", 1) for r in counted}),
+        "median_bytes_sent": statistics.median(r["bytes_sent"] for r in counted) if counted else None,
+        "median_bytes_over_bound": statistics.median(ratios) if ratios else None,
+        "dht_per_peer_round": {k: v / max(1, trained) for k, v in dht_calls.items()},
+    }
+
+
+def drive(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    run_id = f"scale{int(time.time())}"
+    sets = json.dumps(overrides(args, run_id))
+    local = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    before, peak, pss, stop = _used(), [0], [0], threading.Event()
+    boot = Proc([sys.executable, "-m", "peers.run_bootstrap", *local])
+    hosts: list[Proc] = []
+
+    def sample() -> None:
+        while not stop.wait(1.0):
+            peak[0] = max(peak[0], _used() - before)
+            pids = [boot.pid, *(h.pid for h in hosts)]
+            total = sum(
+                (proc_memory(p) or {}).get("Pss", 0) for p in {*pids, *(c for q in pids for c, _, _ in descendants(q))}
+            )
+            pss[0] = max(pss[0], total)
+
+    problem, started, dht_calls = "", time.monotonic(), {"get": 0, "store": 0}
+    try:
+        initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
+        threading.Thread(target=sample, daemon=True).start()
+        for first in range(0, args.peers, args.per_process):
+            count = min(args.per_process, args.peers - first)
+            hosts.append(
+                Proc(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--host",
+                        "--first",
+                        str(first),
+                        "--count",
+                        str(count),
+                        "--workdir",
+                        str(workdir),
+                        "--sets",
+                        sets,
+                        "--initial",
+                        *initial,
+                    ]
+                )  # fmt: skip
+            )
+        for h in hosts:
+            line = h.wait_for_line(r"^HOST ", timeout=max(1.0, args.timeout - (time.monotonic() - started)))
+            report = json.loads(line.string[5:])
+            for key, value in report["dht_calls"].items():
+                dht_calls[key] += value
+            bad = {k: r for k, r in report["results"].items() if r != "0"}
+            if bad:
+                problem += f"peers {bad}; "
+    except Exception as exc:  # noqa: BLE001 - recorded; everything is killed below
+        problem += f"{type(exc).__name__}: {exc}; " + " | ".join(h.describe(5) for h in hosts[:2])
+    finally:
+        stop.set()
+        for p in [*hosts, boot]:
+            p.kill_group()
+    records = [read_jsonl(workdir / f"peer{k}" / "metrics.jsonl") for k in range(args.peers)]
+    out = summarize(args, records, dht_calls)
+    out.update(
+        peers=args.peers,
+        group=args.group,
+        per_process=args.per_process,
+        rounds=args.rounds,
+        h=args.h,
+        sets=args.set,
+        seconds=round(time.monotonic() - started, 1),
+        memory={
+            "machine_peak_bytes": peak[0],
+            "machine_peak_per_peer_bytes": peak[0] / args.peers,
+            "pss_peak_bytes": pss[0],
+        },
+        problem=problem,
+        workdir=str(workdir),
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--peers", type=int, default=None, help="peers in the run (16)")
+    p.add_argument("--group", type=int, default=None, help="swarm.target_group_size (16)")
+    p.add_argument("--per-process", type=int, default=None, help="peers per host process (8)")
+    p.add_argument("--rounds", type=int, default=None, help="train.rounds (4)")
+    p.add_argument("--h", type=int, default=None, help="inner steps per round (3)")
+    p.add_argument("--set", action="append", default=[], help="another --set for every peer (repeatable)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole run (1500)")
+    p.add_argument("--case", default=None, help="the name the run is written under (default: the peer count)")
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/scale.json)")
+    p.add_argument("--smoke", action="store_true", help=f"a short check of this script: {SMOKE}")
+    p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--first", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--sets", help=argparse.SUPPRESS)
+    p.add_argument("--initial", nargs="*", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.host:
+        return host(args)
+    args = fill_defaults(args, DEFAULTS, SMOKE)
+    exit_on_sigterm()
+    result = drive(args)
+    print(json.dumps(result, indent=1))
+    path = args.out or (Path(tempfile.mkdtemp()) / "scale.json" if args.smoke else RESULTS_DIR / "scale.json")
+    found = json.loads(path.read_text()) if path.exists() else {"item": "scale", "cases": {}}
+    found["cases"][args.case or str(args.peers)] = {**result, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(found, indent=2))
+    print(f"wrote {path}")
+    return 0 if not result["problem"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
