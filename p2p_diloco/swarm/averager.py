@@ -536,7 +536,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         find_timeout = 2 * self.matchmaking_time + self.request_timeout_s
         try:
             control = self.step(weight=weight, gather=gather, timeout=find_timeout, allow_retries=False, wait=False)
-            out = control.result(timeout=find_timeout + self.allreduce_timeout + 5.0)
+            out = self._result_of(control, time.monotonic() + find_timeout + self.allreduce_timeout + 5.0)
         except BaseException as e:  # hivemind may raise asyncio.CancelledError
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
@@ -567,6 +567,20 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             return None, "the group's average is not finite", False
         info.group_size, info.groups, info.gathered = out["group_size"], out["groups"], out["gathered"]
         return averaged, "", False
+
+    def _result_of(self, control: Any, deadline: float) -> Any:
+        """The step's result, by ``deadline`` (monotonic; TimeoutError after it). While it is still matchmaking, say
+        every quarter of matchmaking_time that we are looking (``looking``): a mate that reads our announcement then
+        still expects us and names the same leader (Membership.leader), where a ``ready_at`` gone stale would read as
+        averaging since."""
+        while True:
+            try:
+                return control.result(timeout=max(0.0, min(self.matchmaking_time / 4, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not control.began_allreduce:
+                    self._say_looking()
 
     def _count_payload(self, info: ReduceInfo, before: torch.Tensor) -> None:
         """Add the payload bytes counted since ``before`` (a copy of the totals) to ``info``. An attempt the host
