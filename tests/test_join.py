@@ -91,6 +91,9 @@ def test_a_round_waits_for_the_mates_ending_within_its_patience_and_for_the_next
         assert reader.expected_members() == 2 and reader.group_wait() == 0.0
         announce(fast, get_dht_time() + 2 * window)  # ends within our patience: expected, and waited for
         assert reader.expected_members() == 2 and 1.5 * window - 5.0 < reader.group_wait() <= 1.5 * window
+        # the round's leader: the smallest peer id among us and the expected (the slow one is not), less the failed
+        assert reader.leader() == min(reader.peer_id, fast.peer_id)
+        assert reader.leader(frozenset({min(reader.peer_id, fast.peer_id)})) == max(reader.peer_id, fast.peer_id)
         announce(fast, get_dht_time() - 3 * window)  # it has been averaging since: its next round is not announced
         assert reader.expected_members() == 1
         assert 90.0 < reader.group_wait() <= 100.0  # nobody expected: wait for the slow one

@@ -274,19 +274,13 @@ class Membership(Announcements):
 
     def round_end(self) -> float | None:
         """When the live mates' current rounds end (DHT time, the median of the ``ready_at`` they announced that lie
-        ahead): a peer that took the swarm's state mid-round trains until then, to end with them. Now when no mate
-        announced an end ahead but one is looking for a group now; None when neither (no round to join)."""
-        now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
-        ahead, looking = [], False
-        for v in self.mates():
-            at = v.get("ready_at", 0.0)
-            if v.get("live") and isinstance(at, float):
-                if at > now:
-                    ahead.append(at)
-                looking |= now - window <= at <= now
-        if ahead:
-            return sorted(ahead)[len(ahead) // 2]
-        return now if looking else None
+        ahead): a peer that took the swarm's state mid-round trains until then, to end with them; None when no mate
+        announced an end ahead (a whole round, then: the mates wait for it within their patience)."""
+        now = get_dht_time()
+        ahead = sorted(
+            at for v in self.mates() if v.get("live") and isinstance(at := v.get("ready_at"), float) and at > now
+        )
+        return ahead[len(ahead) // 2] if ahead else None
 
     def ahead(self, mine: RoundTag) -> RoundTag | None:
         """The furthest state that ``swarm.state_quorum`` mates vouch for (or all there are, when fewer) and a live

@@ -270,7 +270,9 @@ class TrainingPeer:
             # when our inner steps will end: who the others wait for (join.py). Not while our last exchange is in
             # flight (swarm.overlap eager): we are looking for a group now, as our last announcement says; the
             # first step after it is settled announces instead.
-            if not worker.in_flight and (not pace.announced or k == steps // 2):
+            # (not before its pace is known: a first step's "ends now" would read as ready now to the mates)
+            known = pace.measured or self._step_seconds is not None or self.cfg.inner.round_seconds > 0
+            if not worker.in_flight and known and (not pace.announced or k == steps // 2):
                 self._announce_ready(k + 1, pace.seconds(self._step_seconds))
                 pace.announced = True
             if k == steps - 1 and pace.measured:

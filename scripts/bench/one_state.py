@@ -146,6 +146,9 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stop.set()
         for p in [*procs, boot]:
             p.kill_group()
+        if args.keep is not None:  # every peer's stderr beside its metrics
+            for k, p in zip(order, procs, strict=False):
+                (dirs[k] / "stderr.log").write_text(p.stderr)
     out = summarize([read_jsonl(d / "metrics.jsonl") for d in dirs])
     out.update(peers=args.peers, group=args.group, rounds=args.rounds, sets=args.set, late=args.late)
     out.update(
