@@ -208,7 +208,6 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
 
     _rpc_handlers, _stub_type = None, None  # collect this class's own rpc_* (hivemind caches them per class)
     _served_values = 0  # averager process: values in the state we served last (prices a piece before the host is asked)
-    _designated: str | None = None  # averager process: who leads this round's matchmaking (None: anyone may)
 
     def __init__(
         self,
@@ -312,10 +311,9 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         # (e.g. Membership.ahead); asked as reduce begins and while it waits: a peer the swarm has left behind looks
         # for no group, since its Δ would not count and its joining would split its mates' group
         self.swarm_ahead: Callable[[RoundTag], RoundTag | None] | None = None
-        # host side: who leads this round's matchmaking, given the leaders that failed us this round (e.g.
-        # Membership.leader: the smallest peer id among the expected): only it declares itself, so the round's peers
-        # meet in one group instead of several formed at once; None: anyone may (hivemind's matchmaking)
-        self.round_leader: Callable[[frozenset[str]], str | None] | None = None
+        # host side: how long this round's matchmaking stays open for the peers expected in it (e.g.
+        # Membership.group_window: until the last of them is ready); None: matchmaking_time
+        self.group_window: Callable[[], float] | None = None
         self._closing = threading.Event()
         self._state_thread = _state_thread_of(self._outer_pipe)  # hivemind's, serving our state: shutdown joins it
         if start:
@@ -397,7 +395,6 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         alone = Gathered({str(self.peer_id): payload} if payload is not None else {})
         info = ReduceInfo(gathered=alone, check_seconds=time.monotonic() - start)
         notes: list[str] = []
-        failed_leaders: set[str] = set()
         if self.client_mode and self._no_reachable_member():
             info.group_size, info.reason = 1, NO_REACHABLE_MEMBER
             return [g.clone() for g in grads], info
@@ -411,7 +408,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
                 notes.append(f"no time for attempt {info.attempts + 1} within round_deadline={self.round_deadline}s")
                 break
             info.attempts += 1
-            averaged, why, retry = self._attempt(grads, float(weight), gather, info, failed_leaders)
+            averaged, why, retry = self._attempt(grads, float(weight), gather, info)
             if averaged is not None:
                 info.complete, info.reason = True, "; ".join(notes)
                 return averaged, info
@@ -519,7 +516,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         return wire if verify(raw["key"], payload.signed_bytes(self.prefix, peer_id), raw["sig"]) else None
 
     def _attempt(
-        self, grads: list[torch.Tensor], weight: float, gather: Any, info: ReduceInfo, failed_leaders: set[str]
+        self, grads: list[torch.Tensor], weight: float, gather: Any, info: ReduceInfo
     ) -> tuple[list[torch.Tensor] | None, str, bool]:
         """One step on freshly copied buffers -> (averaged or None, why not, whether a retry makes sense)."""
         if not self.is_alive():
@@ -529,11 +526,11 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             for buf, grad in zip(shared, grads, strict=True):
                 buf.copy_(grad)
         info.copy_seconds += time.monotonic() - t0
-        leader = self._expect_members(failed_leaders)
+        window = self._expect_members()
         t0, control, totals = time.monotonic(), None, self._payload_totals.clone()
         # hivemind starts the all-reduce at the leader's deadline; a follower whose own step times out at the
         # same moment leaves a group the others then run without it. One more matchmaking period of slack.
-        find_timeout = 2 * self.matchmaking_time + self.request_timeout_s
+        find_timeout = window + self.matchmaking_time + self.request_timeout_s
         try:
             control = self.step(weight=weight, gather=gather, timeout=find_timeout, allow_retries=False, wait=False)
             out = self._result_of(control, time.monotonic() + find_timeout + self.allreduce_timeout + 5.0)
@@ -546,11 +543,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             self._count_payload(info, totals)  # a failed all-reduce's bytes were sent all the same
             if not began:
                 info.matchmaking_seconds += time.monotonic() - t0
-                led = ""
-                if leader is not None and leader != str(self.peer_id):
-                    failed_leaders.add(leader)  # the next attempt is led by the next peer in line
-                    led = f" under {leader[-6:]}"
-                return None, f"no group formed{led} ({type(e).__name__}: {e})", False
+                return None, f"no group formed ({type(e).__name__}: {e})", False
             info.allreduce_seconds += time.monotonic() - t0
             return None, f"all-reduce failed ({type(e).__name__}: {e})", True
         info.matchmaking_seconds += out["t_group"] - t0
@@ -589,31 +582,32 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         info.bytes_sent += sent
         info.bytes_received += received
 
-    def _expect_members(self, failed_leaders: set[str]) -> str | None:
-        """Tell the averager process how many members to assemble the round at (the expected count, within
-        [min_group_size, max_round_peers]: a leader whose group holds that many starts at once, one that waits for a
-        peer that does not come starts at matchmaking_time) and who leads it (``round_leader``, less the leaders that
-        failed us this round; None: anyone may, as hivemind's matchmaking decides). Returns that leader."""
-        expected, leader = self.target_group_size_cap, None
+    def _expect_members(self) -> float:
+        """Tell the averager process how many members to assemble the round at and how long to hold its matchmaking
+        open for them: the expected count, within [min_group_size, max_round_peers] (a leader whose group holds that
+        many starts at once), and ``group_window`` (until the last expected peer is ready), within
+        [matchmaking_time, round_deadline / 2]. Every peer declares that window, so the first to arrive leads and
+        keeps the round open for the others (hivemind's matchmaking: the earliest expiration leads; a later peer
+        whose window ends sooner takes the group over, the followers redirected to it). Returns the window."""
+        expected, window = self.target_group_size_cap, self.matchmaking_time
         try:
             if self.expected_members is not None:
                 expected = int(self.expected_members())
-            if self.round_leader is not None:
-                leader = self.round_leader(frozenset(failed_leaders))
+            if self.group_window is not None:
+                window = min(max(float(self.group_window()), self.matchmaking_time), self.round_deadline / 2)
         except Exception as exc:  # noqa: BLE001 - not knowing who will come only costs the wait
-            log.debug("expected members or leader unknown (%r): assembling at max_round_peers", exc)
+            log.debug("expected members or their window unknown (%r): assembling at max_round_peers", exc)
         size = max(self.matchmaking_kwargs["min_group_size"], min(self.target_group_size_cap, expected))
-        self._outer_pipe.send(("_set_group_target", [], dict(size=size, leader=leader)))
-        return leader
+        self._outer_pipe.send(("_set_group_target", [], dict(size=size, window=window)))
+        return window
 
-    async def _set_group_target(self, size: int, leader: str | None = None) -> None:
-        """(averager process) Assemble groups at ``size`` members from now on (the next step reads it); with a
-        ``leader``, only that peer declares itself a leader and the others ask only it (``_matchmaking``)."""
-        self._matchmaking.target_group_size = size
-        self._matchmaking.potential_leaders.target_group_size = size
-        self._designated = leader
-        # hivemind's client_mode of the matchmaking alone: it neither declares itself nor accepts followers
-        self._matchmaking.client_mode = self.client_mode or (leader is not None and leader != str(self.peer_id))
+    async def _set_group_target(self, size: int, window: float | None = None) -> None:
+        """(averager process) Assemble groups at ``size`` members from now on, holding the matchmaking open for
+        ``window`` seconds at most (the next step reads both)."""
+        matchmaking = self._matchmaking
+        matchmaking.target_group_size = matchmaking.potential_leaders.target_group_size = size
+        if window is not None:
+            matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = window
 
     # ---------------------------------------------------------------- averager process: all-reduce + vote
     def _vote_state(self, group_id: bytes, members: Sequence[Any] | None = None) -> dict[str, Any]:
@@ -877,8 +871,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         ask = matchmaking._request_join_group
 
         async def ask_admitted(leader: Any) -> Any:
-            designated = self._designated is None or str(leader) == self._designated
-            return await ask(leader) if designated and self._admitted(leader) else None
+            return await ask(leader) if self._admitted(leader) else None
 
         matchmaking._request_join_group = ask_admitted
         self.__dict__["_matchmaking_"] = matchmaking

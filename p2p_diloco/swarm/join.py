@@ -217,42 +217,28 @@ class Membership(Announcements):
             return True
         return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
-    def _readiness(self) -> tuple[dict[str, float], list[float], set[str]]:
-        """(the live mates this round's matchmaking expects, by peer id, when the others will be ready, the expected
-        ones in client mode), as seconds from now until their announced ``ready_at``: expected are the ones ready now
-        (looking for a group since at most ``swarm.matchmaking_time``, or not known yet: 0) and the ones whose round
-        ends at most ``patience`` after ours (after we began looking, or from now while our inner steps run); later is
-        later; a ``ready_at`` longer ago means the mate has been averaging since (or did not announce its next round
-        yet): neither."""
+    def _readiness(self) -> tuple[dict[str, float | None], list[float]]:
+        """(the live mates this round's matchmaking expects, by peer id, when the others will be ready), as seconds
+        from now until their announced ``ready_at``: expected are the ones ready now (looking for a group since at most
+        ``swarm.matchmaking_time``: 0; not known yet: None) and the ones whose round ends at most ``patience`` after
+        ours (after we began looking, or from now while our inner steps run); later is later; a ``ready_at`` longer
+        ago means the mate has been averaging since (or did not announce its next round yet): neither."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience
-        expected, later, clients = {}, [], set()
+        expected, later = {}, []
         for peer, v in self.others().items():
             at = v.get("ready_at", 0.0)
             if v.get("fingerprint") != self.fingerprint or not v.get("live") or not isinstance(at, float):
                 continue
-            if at == 0.0 or now - window <= at <= now:
+            if at == 0.0:
+                expected[peer] = None
+            elif now - window <= at <= now:
                 expected[peer] = 0.0
             elif now < at <= bound:
                 expected[peer] = at - now
             elif at > bound:
                 later.append(at - now)
-            if peer in expected and v.get("client"):
-                clients.add(peer)
-        return expected, later, clients
-
-    def leader(self, exclude: frozenset[str] = frozenset()) -> str | None:
-        """Who leads this round's matchmaking: the smallest peer id among us and the expected mates that accept calls
-        (not client mode), less ``exclude`` (leaders that failed us this round). Every peer of the round computes
-        the same one from the same announcements, and only it declares itself a leader, so the round's peers meet in
-        one group instead of several that formed at once; None when nobody can lead (then hivemind's matchmaking
-        decides)."""
-        expected, _, clients = self._readiness()
-        candidates = set(expected) - clients
-        if not self.client:
-            candidates.add(self.peer_id)
-        candidates -= exclude
-        return min(candidates, default=None)
+        return expected, later
 
     def expected_members(self) -> int:
         """How many peers will come to this round's matchmaking: us and the live peers with our settings that are
@@ -262,15 +248,22 @@ class Membership(Announcements):
         return 1 + len(self._readiness()[0])
 
     def group_wait(self) -> float:
-        """Seconds to wait before matchmaking: until the last expected mate is nearly ready (its ``ready_at`` less
-        half of swarm.matchmaking_time, which the leader's window covers), so that the round's peers reach the
-        matchmaking together and form one group; with no mate expected but one later, until that one is ready (a
-        straggler that ended after its mates' group formed waits for their next round); else 0. The averager asks
-        again as it waits: the answers are estimates, revised as the mates go."""
-        expected, later, _ = self._readiness()
-        if expected:
-            return max(0.0, max(expected.values()) - 0.5 * self.cfg.swarm.matchmaking_time)
-        return min(later, default=0.0)
+        """Seconds to wait before matchmaking: 0 when a mate is expected this round (the round's leader holds the
+        matchmaking open for the expected ones: ``group_window``); with none expected but one later, until that one
+        is ready (a straggler that ended after its mates' group formed waits for their next round); else 0. The
+        averager asks again as it waits: the answers are estimates, revised as the mates go."""
+        expected, later = self._readiness()
+        return 0.0 if expected else min(later, default=0.0)
+
+    def group_window(self) -> float:
+        """Seconds this round's matchmaking stays open for the expected mates: until the last of them is ready (one
+        that has not said when: until our patience runs out), plus half of swarm.matchmaking_time for the joining;
+        at least swarm.matchmaking_time. The round's leader assembles as soon as all of them joined."""
+        expected, _ = self._readiness()
+        now, mm = get_dht_time(), self.cfg.swarm.matchmaking_time
+        bound = (self._looking_since if self._looking_since is not None else now) + self.patience - now
+        last = max((bound if d is None else d for d in expected.values()), default=0.0)
+        return max(mm, last + 0.5 * mm)
 
     def round_end(self) -> float | None:
         """When the live mates' current rounds end (DHT time, the median of the ``ready_at`` they announced that lie

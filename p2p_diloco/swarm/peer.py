@@ -191,7 +191,7 @@ class TrainingPeer:
         self.averager.group_wait = members.group_wait
         self.averager.looking = members.looking
         self.averager.swarm_ahead = members.ahead
-        self.averager.round_leader = members.leader
+        self.averager.group_window = members.group_window
         self.sync = sync = StateSync(
             worker,
             self.averager,
