@@ -559,6 +559,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         if not finite:
             return None, "the group's average is not finite", False
         info.group_size, info.groups, info.gathered = out["group_size"], out["groups"], out["gathered"]
+        log.info("averaged in a round of %d peer(s), %d group(s)", info.group_size, info.groups)
         return averaged, "", False
 
     def _result_of(self, control: Any, deadline: float) -> Any:
@@ -599,6 +600,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             log.debug("expected members or their window unknown (%r): assembling at max_round_peers", exc)
         size = max(self.matchmaking_kwargs["min_group_size"], min(self.target_group_size_cap, expected))
         self._outer_pipe.send(("_set_group_target", [], dict(size=size, window=window)))
+        log.info("looking for this round's group: %d peer(s) expected, open for up to %.1fs", size, window)
         return window
 
     async def _set_group_target(self, size: int, window: float | None = None) -> None:
