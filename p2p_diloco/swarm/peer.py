@@ -330,7 +330,8 @@ class TrainingPeer:
         try:
             self.start()
             worker = self.worker
-            self._align()  # its first round ends with the mates' (a peer that started late, or downloaded)
+            if self.sync.adopted:  # it joined a running swarm: its first round ends with the mates'
+                self._align()
             while worker.state.round + worker.in_flight < self.cfg.train.rounds and not self.opts.stop.is_set():
                 started, adopted = time.perf_counter(), self.sync.adopted
                 self._settled(self.run_round(), started)
