@@ -363,8 +363,9 @@ def test_a_peer_nobody_is_ready_for_waits_for_the_next_one_then_averages(spawn):
     assert waited["matchmaking_seconds"] >= 2.0, waited
     assert re.search(r"waited 2\.\ds for the next peer to be ready \(expected in 2\.0s\)", waited["reason"]), waited
     assert "waited" not in results[0]["info"]["reason"], results[0]
-    # it said it was looking as it began, and again at each quarter of matchmaking_time of its wait
-    assert results[1]["looking"] >= 3 and results[0]["looking"] == 1, results
+    # it said it was looking as it began, and again at each quarter of matchmaking_time of its wait (and both while
+    # in the matchmaking: _result_of)
+    assert results[1]["looking"] >= 3 and results[1]["looking"] > results[0]["looking"] >= 1, results
 
 
 @pytest.mark.swarm

@@ -21,7 +21,9 @@ def test_an_unlisted_peer_never_joins_a_closed_run(spawn, tmp_path):
     ids = [Identity.load(k).peer_id for k in keys]
     allowed = tmp_path / "authorized_keys"
     allowed.write_text("".join(Identity.load(k).public_key.decode() + "\n" for k in keys[:2]))
-    closed = [*SETS, f"swarm.authorized_keys={allowed}", "swarm.start_peers=2"]
+    # the listed peers serve their state long after their last round: the stranger, started once they are at round 2,
+    # must find them to be refused (under load its start-up alone took over 15 s, and their 4 rounds 4 s)
+    closed = [*SETS, f"swarm.authorized_keys={allowed}", "swarm.start_peers=2", "swarm.linger_seconds=60"]
     _, initial = start_bootstrap(spawn)
     listed = [
         start_peer(spawn, initial, tmp_path / f"peer{k}", *closed, flags=("--identity-path", str(keys[k])))

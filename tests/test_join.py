@@ -89,11 +89,13 @@ def test_a_round_waits_for_the_mates_ending_within_its_patience_and_for_the_next
         announce(fast, 0.0)  # not known yet (its first step): expected, the matchmaking open until our patience ends
         announce(slow, get_dht_time() + 100.0)
         assert reader.expected_members() == 2 and reader.group_wait() == 0.0
+        assert 95.0 < reader.round_end() - get_dht_time() <= 100.0  # the only end ahead: where a newcomer aligns to
         assert 3.5 * window - 5.0 < reader.group_window() <= 3.5 * window
         announce(fast, get_dht_time() + 2 * window)  # ends within our patience: expected, and waited for in the
         # matchmaking, which stays open until it is ready and half a window more
         assert reader.expected_members() == 2 and reader.group_wait() == 0.0
         assert 2.5 * window - 5.0 < reader.group_window() <= 2.5 * window
+        assert 2 * window - 5.0 < reader.round_end() - get_dht_time() <= 2 * window  # the earlier of the two ends
         announce(fast, get_dht_time() - 3 * window)  # it has been averaging since: its next round is not announced
         assert reader.expected_members() == 1
         assert 90.0 < reader.group_wait() <= 100.0  # nobody expected: wait for the slow one

@@ -270,14 +270,14 @@ class Membership(Announcements):
         return max(settle, last + 0.5 * mm)
 
     def round_end(self) -> float | None:
-        """When the live mates' current rounds end (DHT time, the median of the ``ready_at`` they announced that lie
-        ahead): a peer that took the swarm's state mid-round trains until then, to end with them; None when no mate
+        """When the live mates' current rounds end (DHT time, the lower median of the ``ready_at`` they announced that
+        lie ahead): a peer that took the swarm's state mid-round trains until then, to end with them; None when no mate
         announced an end ahead (a whole round, then: the mates wait for it within their patience)."""
         now = get_dht_time()
         ahead = sorted(
             at for v in self.mates() if v.get("live") and isinstance(at := v.get("ready_at"), float) and at > now
         )
-        return ahead[len(ahead) // 2] if ahead else None
+        return ahead[(len(ahead) - 1) // 2] if ahead else None  # the lower median: the earlier of two
 
     def ahead(self, mine: RoundTag) -> RoundTag | None:
         """The furthest state that ``swarm.state_quorum`` mates vouch for (or all there are, when fewer) and a live
