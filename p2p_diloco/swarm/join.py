@@ -220,9 +220,11 @@ class Membership(Announcements):
     def _readiness(self) -> tuple[dict[str, float | None], list[float]]:
         """(the live mates this round's matchmaking expects, by peer id, when the others will be ready), as seconds
         from now until their announced ``ready_at``: expected are the ones ready now (looking for a group since at most
-        ``swarm.matchmaking_time``: 0; not known yet: None) and the ones whose round ends at most ``patience`` after
-        ours (after we began looking, or from now while our inner steps run); later is later; a ``ready_at`` longer
-        ago means the mate has been averaging since (or did not announce its next round yet): neither."""
+        ``swarm.matchmaking_time``: 0), the ones whose round ends at most ``patience`` after ours (after we began
+        looking, or from now while our inner steps run), and the ones whose round end is not known (None: not said
+        yet, or said longer ago than matchmaking_time: still finishing their last exchange, or their announcement of
+        this round is on its way; counting them out closed rounds a second before they came, measured); later is
+        later."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience
         expected, later = {}, []
@@ -230,9 +232,9 @@ class Membership(Announcements):
             at = v.get("ready_at", 0.0)
             if v.get("fingerprint") != self.fingerprint or not v.get("live") or not isinstance(at, float):
                 continue
-            if at == 0.0:
+            if at == 0.0 or at < now - window:
                 expected[peer] = None
-            elif now - window <= at <= now:
+            elif at <= now:
                 expected[peer] = 0.0
             elif now < at <= bound:
                 expected[peer] = at - now
