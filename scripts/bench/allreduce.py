@@ -137,6 +137,11 @@ def _emit(tag: str, payload: dict[str, Any]) -> None:
     print(f"{tag} {json.dumps(payload)}", flush=True)
 
 
+def _trail(what: str) -> None:
+    """One line on stderr per phase: the parent quotes a stalled worker's last one in its report."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
 def plan(cfg: dict[str, Any]) -> list[tuple[int, list[str], list[str]]]:
     """[(size, codecs of its blocking rounds, codecs of its overlapped rounds)] in the order the workers run them."""
     sweep, codec_sizes = set(cfg["sizes"]), set(cfg["codec_sizes"])
@@ -240,6 +245,7 @@ def worker(cfg: dict[str, Any]) -> None:
         }
 
     def start(size: int, codec: str, grad: torch.Tensor, prefix: str) -> Any:
+        _trail(f"starting the {codec} averager ({prefix})")
         averager = PseudoGradAverager(
             dht,
             [grad],
@@ -249,12 +255,15 @@ def worker(cfg: dict[str, Any]) -> None:
             compression=codec,
             **cfg["averager"],
         )
+        _trail("averager started; waiting for the other workers' (gloo barrier)")
         dist.barrier()  # every peer's averager is up before the first round
         return averager
 
     def stop(averager: Any) -> None:
+        _trail("waiting for the other workers before the averager's shutdown (gloo barrier)")
         dist.barrier()
         averager.shutdown()
+        _trail("averager shut down")
 
     gen = torch.Generator().manual_seed(1000 + rank)
     for size, codecs, overlap_codecs in steps:
@@ -268,6 +277,7 @@ def worker(cfg: dict[str, Any]) -> None:
                 # A: the hivemind round, blocking
                 tcp0 = _tcp_sent(p2pd)
                 dist.barrier()
+                _trail(f"blocking round {rep} ({codec})")
                 t0 = time.perf_counter()
                 averaged, info = averager.reduce([grad], 1.0, GatherPayload(RoundTag(rep, "bench"), 1))
                 hm_wall = time.perf_counter() - t0
@@ -312,6 +322,7 @@ def worker(cfg: dict[str, Any]) -> None:
                 # the overlapped round: reduce in the exchange thread, the stand-in meanwhile, then wait
                 done: dict[str, float] = {}
                 dist.barrier()
+                _trail(f"overlapped round {rep} ({codec})")
                 t0 = time.perf_counter()
                 future = pool.submit(exchange, averager, grad, rep, done)
                 n_over, t_over = standin(compute)
