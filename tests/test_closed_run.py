@@ -4,6 +4,9 @@ gets no state from them, and is told at join what to do (exit 2)."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from test_swarm import checksums_by_step, finish, records, start_bootstrap, start_peer
 
@@ -33,7 +36,10 @@ def test_an_unlisted_peer_never_joins_a_closed_run(spawn, tmp_path):
     # the stranger runs the same config without the allowlist (nothing stops it from editing its copy)
     stranger = start_peer(spawn, initial, tmp_path / "peer2", *SETS, flags=("--identity-path", str(keys[2])))
     rc = stranger.wait(timeout=120)
-    finish(listed, timeout=180)
+    for peer in listed:  # the stranger is gone: once done, their lingering has done its part (SIGTERM: exit 0)
+        peer.wait_for_line(rf"^round {ROUNDS}/{ROUNDS} ", timeout=180)
+        os.kill(peer.pid, signal.SIGTERM)
+    finish(listed, timeout=60)
     said = "\n".join(stranger.stderr_lines)
     print("what the unlisted peer sees:\n" + "\n".join(stranger.stderr_lines[-4:]))
     assert rc == 2, stranger.describe()

@@ -76,8 +76,9 @@ def test_a_round_waits_for_the_mates_ending_within_its_patience_and_for_the_next
     from hivemind.utils.timed_storage import get_dht_time
 
     cfg = load_config(TINY, [])
-    with _three_members(cfg) as ((reader, fast, slow), _):
+    with _three_members(cfg) as ((reader, fast, slow), keys):
         tag, window = RoundTag(2, "e" * 16), cfg.swarm.matchmaking_time
+        slow_id = keys[2].peer_id
 
         def announce(member: Membership, ready_at: float) -> None:
             member.ready_at = ready_at
@@ -108,6 +109,9 @@ def test_a_round_waits_for_the_mates_ending_within_its_patience_and_for_the_next
         while reader.group_wait() > 0.0 and get_dht_time() < deadline + 20:
             time.sleep(0.2)
         assert reader.group_wait() == 0.0 and reader.expected_members() == 2
+        reader.admits = lambda peer: peer != slow_id  # our averager banned it (a lying reducer): never waited for
+        expected, later = reader._readiness()
+        assert slow_id not in expected and len(expected) + len(later) == 1, (expected, later)
 
 
 @pytest.mark.timeout(60)

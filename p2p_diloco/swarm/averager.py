@@ -549,6 +549,8 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         info.matchmaking_seconds += out["t_group"] - t0
         info.allreduce_seconds += time.monotonic() - out["t_group"]
         self._count_payload(info, totals)
+        for peer, left in out.get("banned", {}).items():  # the averager process banned them: admits() says so too
+            self._banned[peer] = max(self._banned.get(peer, 0.0), time.monotonic() + left)
         if not out["complete"]:
             return None, f"incomplete all-reduce in a group of {out['group_size']}: {out['reason']}", True
         t0 = time.monotonic()
@@ -700,6 +702,8 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             groups=groups,
             t_group=t_group,
             reason=reason or "members without a complete result: " + ", ".join(against),
+            # the host's copy of the bans (it is another process): seconds each has left
+            banned={p: until - time.monotonic() for p, until in self._banned.items()},
         )
 
     def _plan(
@@ -853,11 +857,16 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         metadata, tensors = self._state_provider()
         return {_STATE_KEY: metadata}, [t.detach().cpu() for t in tensors], None
 
+    def admits(self, peer: Any) -> bool:
+        """Whether this averager groups with ``peer`` (listed in a closed run, not banned)."""
+        return self._admitted(peer)
+
     def _admitted(self, peer: Any) -> bool:
         """Whether ``peer`` may average with us and download our state: listed (in a closed run), not banned."""
         peer = str(peer)
-        if peer in self._banned and self._banned[peer] < time.monotonic():
-            del self._banned[peer]
+        until = self._banned.get(peer)  # the reduce thread and the main thread (Membership) both ask
+        if until is not None and until < time.monotonic():
+            self._banned.pop(peer, None)
         return (self.authorized is None or peer in self.authorized) and peer not in self._banned
 
     @property

@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,8 @@ class Membership(Announcements):
         # how much later than our own round's end a mate may be ready and still be waited for (expect_ready)
         self.patience = cfg.swarm.matchmaking_time
         self._looking_since: float | None = None  # when this round's exchange began looking for a group (DHT time)
+        # whether our averager groups with a peer (PseudoGradAverager.admits: not banned); others are never expected
+        self.admits: Callable[[str], bool] = lambda peer: True
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
         self._lock = threading.Lock()  # announce runs in the main thread and, once a state is hashed, the hashing one
 
@@ -224,13 +227,16 @@ class Membership(Announcements):
         looking, or from now while our inner steps run), and the ones whose round end is not known (None: not said
         yet, or said longer ago than matchmaking_time: still finishing their last exchange, or their announcement of
         this round is on its way; counting them out closed rounds a second before they came, measured); later is
-        later."""
+        later. A peer our averager will not group with (banned: ``admits``) is neither: waiting for it held every
+        round open for the whole window (measured: 20 s a round after a lying reducer was banned)."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience
         expected, later = {}, []
         for peer, v in self.others().items():
             at = v.get("ready_at", 0.0)
             if v.get("fingerprint") != self.fingerprint or not v.get("live") or not isinstance(at, float):
+                continue
+            if not self.admits(peer):
                 continue
             if at == 0.0 or at < now - window:
                 expected[peer] = None
