@@ -640,7 +640,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             modes = [AveragingMode(m) for m in mode_ids]
             members = zip(group_info.peer_ids, user_bytes, strict=True)
             gathered = Gathered.parse({str(p): self._opened(str(p), self._decode(b)) for p, b in members})
-            strangers = [str(p) for p in group_info.peer_ids if not self._admitted(p)]
+            strangers = [str(p) for p in group_info.peer_ids if not self.admits(p)]
             if strangers:  # never send a part to, or take one from, a peer that is not listed or was caught lying
                 raise PermissionError(f"the group holds {len(strangers)} unlisted or banned peer(s)")
             factors = self.rules.weight_factors(gathered)  # the members whose Δ counts (protocol.decide)
@@ -751,7 +751,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
             group_id = self.serializer.loads(request.metadata)["group_id"] if len(request.metadata) <= 256 else None
         except Exception:  # noqa: BLE001 - a stranger's bytes: refused, never raised
             group_id = None
-        if not isinstance(group_id, bytes) or not self._admitted(context.remote_id):
+        if not isinstance(group_id, bytes) or not self.admits(context.remote_id):
             return refused
         deadline = time.monotonic() + self.request_timeout_s
         while group_id not in self._running_groups and time.monotonic() < deadline:
@@ -858,10 +858,6 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         return {_STATE_KEY: metadata}, [t.detach().cpu() for t in tensors], None
 
     def admits(self, peer: Any) -> bool:
-        """Whether this averager groups with ``peer`` (listed in a closed run, not banned)."""
-        return self._admitted(peer)
-
-    def _admitted(self, peer: Any) -> bool:
         """Whether ``peer`` may average with us and download our state: listed (in a closed run), not banned."""
         peer = str(peer)
         until = self._banned.get(peer)  # the reduce thread and the main thread (Membership) both ask
@@ -882,7 +878,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         ask = matchmaking._request_join_group
 
         async def ask_admitted(leader: Any) -> Any:
-            return await ask(leader) if self._admitted(leader) else None
+            return await ask(leader) if self.admits(leader) else None
 
         matchmaking._request_join_group = ask_admitted
         self.__dict__["_matchmaking_"] = matchmaking
@@ -891,7 +887,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """hivemind's matchmaking, closed to peers that a closed run does not list."""
-        if not self._admitted(context.remote_id):
+        if not self.admits(context.remote_id):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):
@@ -1023,7 +1019,7 @@ class PseudoGradAverager(ThreadOrProcess, DecentralizedAverager):
         its last minute's downloads from us stay within ``max_state_downloads`` states; refuse (False) if not."""
         now = time.monotonic()
         recent = [(t, c) for t, c in self._downloads.get(peer, []) if now - t < 60.0]
-        if not self._admitted(peer) or sum(c for _, c in recent) + cost > self.max_state_downloads + 1e-9:
+        if not self.admits(peer) or sum(c for _, c in recent) + cost > self.max_state_downloads + 1e-9:
             self._downloads[peer] = recent
             return False
         self._downloads[peer] = recent + [(now, cost)]

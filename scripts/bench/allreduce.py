@@ -606,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     overlap: list[dict[str, Any]] = []
     problems: dict[str, str] = {}
     diagnostics: list[dict[str, Any]] = []
+    # a smoke's stalled all-reduce gives up within seconds and is retried (attempts are in the records), where the
+    # full run's 120 s timeout would eat the smoke's whole budget (seen twice in CI's suite)
+    averager_settings = {**AVERAGER_SETTINGS, **(SMOKE_AVERAGER if args.smoke else {})}
     with tempfile.TemporaryDirectory(prefix="bench_allreduce_") as tmp:
         for world in sorted(set(args.peers) | set(args.codec_peers)):
             cfg = {
@@ -617,9 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                 "compute_seconds": args.compute_seconds,
                 "reps": args.reps,
                 "warmup": args.warmup,
-                # a smoke's stalled all-reduce gives up within seconds and is retried (attempts are in the records),
-                # where the full run's 120 s timeout would eat the smoke's whole budget (seen twice in CI's suite)
-                "averager": {**AVERAGER_SETTINGS, **(SMOKE_AVERAGER if args.smoke else {})},
+                "averager": averager_settings,
             }
             steps = plan(cfg)
             print(f"allreduce: {world} peers, " + "; ".join(f"{s:,}: {'/'.join(c)}" for s, c, _ in steps), flush=True)
@@ -729,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.data["overlap"] = overlap
     rec.data["diagnostics"] = diagnostics
     rec.data["problems"] = problems
-    rec.data["averager_settings"] = {**AVERAGER_SETTINGS, **(SMOKE_AVERAGER if args.smoke else {})}
+    rec.data["averager_settings"] = averager_settings
     rec.notes.append(
         "Worker processes run with 1 torch thread each; all peers share this machine's cores and loopback. "
         "Round wall = slowest peer's reduce() call after a common gloo barrier; gloo = slowest rank's all_reduce. "
