@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
@@ -23,6 +24,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from p2p_diloco.config import ConfigError, ModelConfig
 
 __all__ = ["autocast", "build_model", "count_params", "architecture_fingerprint", "resolve_device"]
+
+# torch's global RNG is one per process: peers built at once in threads of one process (the scale harness) would
+# interleave its draws and start from different weights
+_SEEDED_INIT = threading.Lock()
 
 
 def resolve_device(cfg: ModelConfig) -> torch.device:
@@ -73,7 +78,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel
                 "use the model's own tokenizer (data.tokenizer)"
             )
     else:
-        with torch.random.fork_rng(devices=[]):
+        with _SEEDED_INIT, torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(llama_config(cfg, vocab_size))
     return model.to(device)

@@ -16,7 +16,9 @@ its p2pd; the scale harness (scripts/bench/scale.py) runs tens to hundreds of pe
 with one interpreter for many of them. hivemind calls ``signal.signal`` as its loops start, which Python refuses
 outside the main thread (``allow_in_threads`` makes those calls no-ops there), passes MPFutures through its pipes
 (an unpickled copy finished "in the other process" is, here, in the origin's process, so it would finish only
-itself: the copy sends the update to the original, as from another process), and wakes a future's asyncio waiters
+itself: the copy sends the update to the original, as from another process; and a dying copy would take the
+original's entry in the table of live futures with it, so the update would find nobody: a copy's death leaves it),
+and wakes a future's asyncio waiters
 with ``run_until_complete`` on the creator's loop, which asyncio refuses inside another thread's running loop (nobody
 awaits on a loop that is not running, so the event is set directly then).
 """
@@ -85,6 +87,27 @@ def _finished_from_a_copy(method: Any, update: Any) -> Any:
     return finish
 
 
+def _forgotten_only_by_itself(method: Any) -> Any:
+    """MPFuture.__del__ that, for an unpickled copy in the origin's process, leaves the original's entry in the
+    process's table of live futures alone. hivemind's drops the entry of the future's uid whenever an object of that
+    uid dies in the origin's process; between processes only the original can, but here the copy that the DHT's or
+    the averager's thread finished and let go of dies first, so the update on its way to the original found no
+    entry and was dropped: the caller then waited out its whole timeout (measured: a round's matchmaking that never
+    asked a leader, DHT stores timing out after 30 s, in the scale harness)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    def __del__(self: Any) -> None:
+        futures = MPFuture._active_futures
+        ref = futures.get(getattr(self, "_uid", None)) if futures is not None else None
+        original = ref() if ref is not None else None
+        if original is not None and original is not self:
+            return  # a copy: the original still waits for its update
+        method(self)
+
+    __del__.in_thread = True
+    return __del__
+
+
 def allow_in_threads() -> None:
     """Let hivemind's DHT and averager loops run as threads of one process (idempotent)."""
     import hivemind.averaging.averager as averager_module
@@ -98,6 +121,8 @@ def allow_in_threads() -> None:
     if not getattr(MPFuture.set_result, "in_thread", False):
         MPFuture.set_result = _finished_from_a_copy(MPFuture.set_result, UpdateType.RESULT)
         MPFuture.set_exception = _finished_from_a_copy(MPFuture.set_exception, UpdateType.EXCEPTION)
+    if not getattr(MPFuture.__del__, "in_thread", False):
+        MPFuture.__del__ = _forgotten_only_by_itself(MPFuture.__del__)
 
 
 class ThreadOrProcess:

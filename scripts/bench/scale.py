@@ -105,7 +105,19 @@ def host(args: argparse.Namespace) -> int:
     from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
     from p2p_diloco.threads import apply_threads
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
+        filename=Path(args.workdir) / f"host{args.first}.log",
+    )
+    logging.getLogger("p2p_diloco").setLevel(logging.INFO)  # the peers' account of each round, one file per host
+    import os
+
+    if os.environ.get("SCALE_HIVEMIND_LOG"):
+        from hivemind.utils.logging import use_hivemind_log_handler
+
+        use_hivemind_log_handler("in_root_logger")
+        logging.getLogger("hivemind").setLevel(os.environ["SCALE_HIVEMIND_LOG"])
     calls = {"get": 0, "store": 0}
     for name in calls:  # every DHT read and write of these peers (ours and the averager's matchmaking)
         original = getattr(DHT, name)
