@@ -31,6 +31,7 @@ from p2p_diloco.swarm.identity import owner_of, peer_id_of
 from p2p_diloco.swarm.records import metrics_key, parse_records, publish_record, read_records
 from p2p_diloco.swarm.validators import (
     MAX_VALUE_BYTES,
+    CheckedOnce,
     MetricsBounds,
     RecordGuard,
     fingerprint_key,
@@ -68,6 +69,24 @@ def honest(signer: RSASignatureValidator, step: int = 1, **changes) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- unit
+
+
+def test_checked_once_gives_the_signature_verdict_and_verifies_a_record_once(monkeypatch) -> None:
+    writer, reader = CheckedOnce(RSAPrivateKey()), CheckedOnce(RSAPrivateKey())
+    key = fingerprint_key(RUN)
+    good = dht_record(key, writer.local_public_key, FINGERPRINT, signer=writer)
+    forged = DHTRecord(good.key, good.subkey, good.value.replace(b"f00d", b"beef", 1), good.expiration_time)
+    later = dht_record(key, writer.local_public_key, FINGERPRINT, signer=writer, expiration=get_dht_time() + 90)
+    verified = []
+    original = RSASignatureValidator.validate
+    monkeypatch.setattr(RSASignatureValidator, "validate", lambda self, r: verified.append(r) or original(self, r))
+    verdicts = [reader.validate(r) for r in (good, good, forged, forged, later, good)]
+    assert verdicts == [True, True, False, False, True, True]
+    assert verified == [good, forged, later]  # each distinct record once; its expiration is part of it
+    monkeypatch.setattr(CheckedOnce, "MEMORY", 2)
+    reader.validate(dht_record(key, writer.local_public_key, {**FINGERPRINT, "round": 4}, signer=writer))
+    kept = [(r.key, r.subkey, r.value, r.expiration_time) in reader._verdicts for r in (good, forged, later)]
+    assert len(reader._verdicts) == 2 and kept == [True, False, False]  # the least recently seen go first
 
 
 @pytest.mark.timeout(30)
