@@ -22,6 +22,8 @@ under ``--case`` (default: the peer count) into scripts/bench/results/scale.json
                           (announcements, records, vouches, the averager's matchmaking)
     memory                the machine's peak memory in use (MemTotal - MemAvailable) over the run, less before it;
                           per peer; and the peak summed PSS of the processes
+Logs: each host process writes its peers' account (p2p_diloco at INFO; with ``--matchmaking-log`` also hivemind's
+matchmaking at DEBUG) to ``host<first peer>.log`` in the run's workdir, named in the result.
 Failure: a host process that exits non-zero or a run over ``--timeout`` is noted in ``problem``; every process
 group is killed at the end.
 """
@@ -111,13 +113,12 @@ def host(args: argparse.Namespace) -> int:
         filename=Path(args.workdir) / f"host{args.first}.log",
     )
     logging.getLogger("p2p_diloco").setLevel(logging.INFO)  # the peers' account of each round, one file per host
-    import os
-
-    if os.environ.get("SCALE_HIVEMIND_LOG"):
+    if args.matchmaking_log:  # hivemind's account of leaders and followers, into the same file
         from hivemind.utils.logging import use_hivemind_log_handler
 
         use_hivemind_log_handler("in_root_logger")
-        logging.getLogger("hivemind").setLevel(os.environ["SCALE_HIVEMIND_LOG"])
+        logging.getLogger("hivemind").setLevel(logging.WARNING)
+        logging.getLogger("hivemind.averaging").setLevel(logging.DEBUG)
     calls = {"get": 0, "store": 0}
     for name in calls:  # every DHT read and write of these peers (ours and the averager's matchmaking)
         original = getattr(DHT, name)
@@ -248,6 +249,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                         str(workdir),
                         "--sets",
                         sets,
+                        *(["--matchmaking-log"] if args.matchmaking_log else []),
                         "--initial",
                         *initial,
                     ]
@@ -300,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", default=None, help="the name the run is written under (default: the peer count)")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/scale.json)")
     p.add_argument("--smoke", action="store_true", help=f"a short check of this script: {SMOKE}")
+    p.add_argument("--matchmaking-log", action="store_true", help="hivemind's matchmaking at debug level in host*.log")
     p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--first", type=int, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)

@@ -1,0 +1,44 @@
+"""scripts/bench/scale.py --smoke: 6 real peers in two host processes (DHT node and averager as threads), rounds of two
+butterfly groups: every round ends on one state for all of them.
+
+Runs alone (not with the other bench smokes, which start together): the harness's peers share two cores and their
+matchmaking waits on DHT answers, so it is kept off a machine the other smokes load.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.procs import Proc
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE = 420.0  # the smoke's own --timeout is 400 s; it took 46 s alone here
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(480)
+def test_scale_smoke_ends_every_round_on_one_state(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    proc = Proc([sys.executable, str(ROOT / "scripts" / "bench" / "scale.py"), "--smoke", "--out", str(out)], cwd=ROOT)
+    try:
+        try:
+            rc = proc.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"scale.py --smoke did not finish within {DEADLINE:.0f} s\n{proc.describe(40)}")
+        assert rc == 0, proc.describe(40)
+    finally:
+        if proc.alive():
+            proc.stop(grace=20.0)
+        proc.kill_group()
+    (case,) = json.loads(out.read_text())["cases"].values()
+    assert case["problem"] == "", case["problem"]
+    assert case["peers"] == 6 and case["rounds_applied"] == case["rounds"] == 2, case
+    assert set(case["states_per_round"].values()) == {1} and case["final_states"] == 1, case
+    assert 2 in case["groups_per_round"], case  # a round of 6 ran as two butterflies of 3, one mean
+    assert case["lost_share"] <= 0.25, case  # measured 0 of 12 alone; a loaded machine may cost a peer a round
+    assert 0.9 < case["median_bytes_over_bound"] < 1.5, case
