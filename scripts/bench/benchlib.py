@@ -234,9 +234,12 @@ class Proc(procs.Proc):
 
 
 def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit, so that ``finally`` blocks kill the swarms a module started."""
+    """Turn SIGTERM into SystemExit, so that ``finally`` blocks kill the swarms a module started. Only the first: a
+    second one (``timeout`` passes its own on to its child, a user presses twice) would raise again inside those
+    blocks and leave the swarm running (seen: a bootstrap node and its p2pd outliving scale.py)."""
 
     def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
