@@ -42,6 +42,8 @@ counts below 2**62. Losses are not bounded: a NaN or infinite loss is how a dive
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import re
 from collections import OrderedDict
@@ -301,16 +303,21 @@ class CheckedOnce(RSASignatureValidator):
     brings back every peer's signed announcement from each node it asks, unchanged until that peer announces again,
     and each was verified anew: at 32 peers in the scale harness 73% of a host's CPU went to RSA verification
     (py-spy), which starved the DHT until its lookups timed out. A verdict is a pure function of the record's bytes
-    (key, subkey, value with its signature, expiration), which are its cache key."""
+    (key, subkey, value with its signature, expiration); their SHA-256 is its cache key, so a stranger's flood of
+    distinct large records costs at most MEMORY x 32 bytes here, not MEMORY values."""
 
     MEMORY = 8192
 
     def __init__(self, private_key: RSAPrivateKey | None = None) -> None:
         super().__init__(private_key)
-        self._verdicts: OrderedDict[tuple, bool] = OrderedDict()
+        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
+
+    @staticmethod
+    def digest(record: DHTRecord) -> bytes:
+        return hashlib.sha256(MSGPackSerializer.dumps(dataclasses.astuple(record))).digest()
 
     def validate(self, record: DHTRecord) -> bool:
-        seen = (record.key, record.subkey, record.value, record.expiration_time)
+        seen = self.digest(record)
         verdict = self._verdicts.get(seen)
         if verdict is None:
             verdict = self._verdicts[seen] = super().validate(record)
