@@ -20,10 +20,10 @@ import torch
 from hivemind.dht import DHT
 
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import PART_VALUES, part_count, part_digests, state_checksum
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.download import MAX_FAILURES, download_state, read_manifest
-from p2p_diloco.swarm.protocol import RoundTag
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,8 +16,8 @@ import torch
 from p2p_diloco.config import load_config
 from p2p_diloco.engine import Worker
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import part_digests
-from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.sync import StateSync, Vouches
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

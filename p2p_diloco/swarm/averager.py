@@ -117,6 +117,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from p2p_diloco.codec import get_codec
 from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.outer import is_finite
+from p2p_diloco.protocol import Gathered, GatherPayload, RoundRules, RoundTag, split_groups
 from p2p_diloco.state_parts import PART_VALUES, read_values, total_values
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
 from p2p_diloco.swarm.butterfly import (
@@ -131,7 +132,6 @@ from p2p_diloco.swarm.butterfly import (
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.identity import Identity, peer_id_of, verify
 from p2p_diloco.swarm.in_thread import ThreadOrProcess
-from p2p_diloco.swarm.protocol import Gathered, GatherPayload, RoundRules, RoundTag, split_groups
 
 __all__ = ["PseudoGradAverager", "ReduceInfo"]
 

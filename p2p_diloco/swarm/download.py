@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import (
     DIGEST_BYTES,
     PART_VALUES,
@@ -48,7 +49,6 @@ from p2p_diloco.state_parts import (
     total_values,
     write_values,
 )
-from p2p_diloco.swarm.protocol import RoundTag
 
 __all__ = ["Manifest", "download_state", "read_manifest"]
 
