@@ -1,4 +1,4 @@
-"""A state in pieces from several real donors (swarm/download.py through averager.py's manifest and piece RPCs).
+"""A state in pieces from several real donors (swarm/download.py through state_pieces.py's manifest and piece RPCs).
 
 The donors and the newcomer are real PseudoGradAverager peers on 127.0.0.1 (each its own DHT, p2pd and averager
 process, started from this process); what each donor serves is its state provider's output, which the test

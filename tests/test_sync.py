@@ -31,7 +31,7 @@ def _batches(seed=0, vocab=257, shape=(4, 32)):
 
 class _Donors:
     """The averager's ``manifest`` and ``piece``: each peer id serves what the test put there ((metadata,
-    tensors), or a reason); a piece is a flat range of its tensors, whatever their dtype (averager.py's own checks
+    tensors), or a reason); a piece is a flat range of its tensors, whatever their dtype (state_pieces.py's own checks
     are tested in tests/test_download.py)."""
 
     def __init__(self, serves: dict[str, object]) -> None:

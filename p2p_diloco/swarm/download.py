@@ -2,7 +2,7 @@
 in parallel, each checked against the manifest, a failed piece fetched again from another donor.
 
 Inputs:  the averager (``manifest(peer, timeout)`` and ``piece(peer, (round, checksum), start, end, timeout)``:
-         averager.py), this peer's own state tensors (the shapes and dtypes to fill), the run's fingerprint, the
+         state_pieces.py), this peer's own state tensors (the shapes and dtypes to fill), the run's fingerprint, the
          tag (round, checksum) the swarm vouches for, the peers that hold it now (its donors), a timeout.
 Output:  ``download_state(...) -> (OuterState, consensus) | None``: an outer state whose checksum is the tag's,
          and whether its donor says it came out of a complete group; None when no donor's manifest checks out, or
