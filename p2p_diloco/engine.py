@@ -58,7 +58,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.inner import InnerOptimizer, InnerStats, round_end
 from p2p_diloco.model import autocast, build_model, resolve_device
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState, outer_lr_at, pseudo_gradient
-from p2p_diloco.swarm.protocol import Action, Decision, Gathered, GatherPayload, RoundRules, RoundTag, decide
+from p2p_diloco.protocol import Action, Decision, Gathered, GatherPayload, RoundRules, RoundTag, decide
 
 __all__ = [
     "Contribution",

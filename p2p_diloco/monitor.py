@@ -51,15 +51,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from hivemind.dht import DHT
 
 from p2p_diloco.swarm.reader import Reading, RejectCounter, read_swarm
 from p2p_diloco.swarm.records import PeerRecord, metrics_key
-
-if TYPE_CHECKING:  # monitor_samples imports torch and transformers: only a monitor with --samples needs them
-    from p2p_diloco.monitor_samples import StateSampler
 
 __all__ = [
     "PeerStatus",
@@ -375,6 +372,21 @@ class History:
             f.write(json.dumps(summary.to_json()) + "\n")
 
 
+class Samples(Protocol):
+    """What the monitor asks of its sampler (monitor_samples.StateSampler). That module imports torch and
+    transformers, which only a monitor with --samples needs, and it imports this one for its defaults: the monitor
+    names what it calls, not the class."""
+
+    @property
+    def latest(self) -> tuple[Any, str | None]:
+        """(the latest sample, with ``to_json()``, or None; why the last attempt failed, or None)."""
+        ...
+
+    def resume(self, sample: Any) -> None: ...
+
+    def start(self) -> None: ...
+
+
 class Monitor:
     """refresh() = read + aggregate + print + append; run() repeats it every ``interval`` s until ``stop`` (and with
     ``samples``, starts their thread: each refresh takes the latest sample into its summary)."""
@@ -389,7 +401,7 @@ class Monitor:
         console: ConsoleView | None = None,
         stop: threading.Event | None = None,
         authorized: frozenset[str] | None = None,
-        samples: StateSampler | None = None,
+        samples: Samples | None = None,
     ) -> None:
         self.dht, self.run_id, self.interval, self.rejects = dht, run_id, interval, rejects
         self.authorized, self.samples = authorized, samples

@@ -49,10 +49,10 @@ from p2p_diloco.generate import check_generation_args, generate
 from p2p_diloco.model import build_model
 from p2p_diloco.monitor import DEFAULT_EVERY, DEFAULT_PROMPT, DEFAULT_TOKENS
 from p2p_diloco.outer import is_finite
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError
 from p2p_diloco.swarm.join import Announcements
-from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.sync import fetch_vouched
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_PROMPT", "DEFAULT_TOKENS", "StateSample", "StateSampler"]

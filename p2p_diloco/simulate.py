@@ -84,8 +84,8 @@ from p2p_diloco.data import DataError, DataPipeline
 from p2p_diloco.engine import Contribution, ReduceInfo, RoundResult, Worker, evaluate, fp32_bytes_sent
 from p2p_diloco.inner import InnerStats, NonFiniteLossError
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
+from p2p_diloco.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag, split_groups
 from p2p_diloco.robust import AggregateStats, aggregate_flat, max_round_tokens, trusted_weight
-from p2p_diloco.swarm.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag, split_groups
 from p2p_diloco.threads import add_threads_flag, apply_threads
 from p2p_diloco.trackers import Trackers, require
 

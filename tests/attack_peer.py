@@ -36,10 +36,10 @@ def install(attack: str, scale: float) -> None:
     import p2p_diloco.engine as engine
     import p2p_diloco.swarm.butterfly as butterfly
     from p2p_diloco.outer import OuterState
+    from p2p_diloco.protocol import GatherPayload, RoundTag
     from p2p_diloco.swarm.averager import PseudoGradAverager
     from p2p_diloco.swarm.join import Membership
     from p2p_diloco.swarm.peer import TrainingPeer
-    from p2p_diloco.swarm.protocol import GatherPayload, RoundTag
     from p2p_diloco.swarm.sync import StateSync
 
     if attack == "negate":

@@ -97,9 +97,9 @@ def main() -> None:
     torch.set_num_threads(1)
     from hivemind.dht import DHT
 
+    from p2p_diloco.protocol import GatherPayload, RoundRules, RoundTag
     from p2p_diloco.swarm.averager import PseudoGradAverager
     from p2p_diloco.swarm.identity import Identity
-    from p2p_diloco.swarm.protocol import GatherPayload, RoundRules, RoundTag
 
     if cfg.get("lie_to_first"):  # as a reducer, send the first other sender an average 0.1% off (the others the truth)
         _install_split_lie()

@@ -16,10 +16,10 @@ from test_records import record
 
 import p2p_diloco.swarm.dht as dht_module
 from p2p_diloco.config import load_config
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.join import Membership
-from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.records import publish_record, read_records
 from p2p_diloco.swarm.validators import owner_subkey
 

@@ -1,4 +1,4 @@
-"""A state in pieces from several real donors (swarm/download.py through averager.py's manifest and piece RPCs).
+"""A state in pieces from several real donors (swarm/download.py through state_pieces.py's manifest and piece RPCs).
 
 The donors and the newcomer are real PseudoGradAverager peers on 127.0.0.1 (each its own DHT, p2pd and averager
 process, started from this process); what each donor serves is its state provider's output, which the test
@@ -20,10 +20,10 @@ import torch
 from hivemind.dht import DHT
 
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import PART_VALUES, part_count, part_digests, state_checksum
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.download import MAX_FAILURES, download_state, read_manifest
-from p2p_diloco.swarm.protocol import RoundTag
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,9 +14,9 @@ from p2p_diloco.engine import ReduceInfo, Worker, fp32_bytes_sent
 from p2p_diloco.inner import lr_at
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import Gathered, RoundRules
 from p2p_diloco.simulate import main as simulation_main
 from p2p_diloco.simulate import simulate
-from p2p_diloco.swarm.protocol import Gathered, RoundRules
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 FAST = ["data.eval_batches=1", "train.eval_every=0"]

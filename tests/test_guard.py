@@ -21,8 +21,8 @@ from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.engine import ReduceInfo, Worker
 from p2p_diloco.inner import NonFiniteLossError
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import Gathered, RoundRules
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested, Verdict
-from p2p_diloco.swarm.protocol import Gathered, RoundRules
 from p2p_diloco.swarm.sync import Offer, StateSync
 
 ROOT = Path(__file__).resolve().parents[1]

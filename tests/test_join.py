@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from p2p_diloco.config import load_config
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.join import Membership
-from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.validators import make_validators
 
 pytestmark = pytest.mark.swarm

@@ -23,8 +23,8 @@ from p2p_diloco.monitor import ConsoleView, History, Monitor, SwarmTracker, rend
 from p2p_diloco.monitor_http import bind, page_html
 from p2p_diloco.monitor_samples import StateSample, StateSampler
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import part_digests
-from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.sync import Vouches
 
 pytestmark = pytest.mark.timeout(60)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.swarm.protocol import (
+from p2p_diloco.protocol import (
     GATHER_VERSION,
     Action,
     Gathered,

@@ -16,8 +16,8 @@ import torch
 from p2p_diloco.config import load_config
 from p2p_diloco.engine import Worker
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import part_digests
-from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.sync import StateSync, Vouches
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -31,7 +31,7 @@ def _batches(seed=0, vocab=257, shape=(4, 32)):
 
 class _Donors:
     """The averager's ``manifest`` and ``piece``: each peer id serves what the test put there ((metadata,
-    tensors), or a reason); a piece is a flat range of its tensors, whatever their dtype (averager.py's own checks
+    tensors), or a reason); a piece is a flat range of its tensors, whatever their dtype (state_pieces.py's own checks
     are tested in tests/test_download.py)."""
 
     def __init__(self, serves: dict[str, object]) -> None:

@@ -1,7 +1,7 @@
 """One attempt's butterfly all-reduce, changed from hivemind 1.1.12's AllReduceRunner where it was not exact.
 
 Inputs:  what hivemind's runner takes (the member's shared-memory tensors, the group, its weight, timeouts);
-         built by ``PseudoGradAverager._aggregate_with_group`` (averager.py) once per group.
+         built by ``PseudoGradAverager._aggregate_with_group`` (aggregate.py) once per group.
 Output:  the averaged tensors, bitwise equal on every member whose slices all arrived; the counters the averager
          judges completeness by (``tensor_part_container.failed_size``, the reducer's ``num_parts_received``,
          ``banned_senders``); the payload bytes it sent and received, added to a ``PayloadBytes`` as they pass.

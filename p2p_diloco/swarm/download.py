@@ -2,7 +2,7 @@
 in parallel, each checked against the manifest, a failed piece fetched again from another donor.
 
 Inputs:  the averager (``manifest(peer, timeout)`` and ``piece(peer, (round, checksum), start, end, timeout)``:
-         averager.py), this peer's own state tensors (the shapes and dtypes to fill), the run's fingerprint, the
+         state_pieces.py), this peer's own state tensors (the shapes and dtypes to fill), the run's fingerprint, the
          tag (round, checksum) the swarm vouches for, the peers that hold it now (its donors), a timeout.
 Output:  ``download_state(...) -> (OuterState, consensus) | None``: an outer state whose checksum is the tag's,
          and whether its donor says it came out of a complete group; None when no donor's manifest checks out, or
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import (
     DIGEST_BYTES,
     PART_VALUES,
@@ -48,7 +49,6 @@ from p2p_diloco.state_parts import (
     total_values,
     write_values,
 )
-from p2p_diloco.swarm.protocol import RoundTag
 
 __all__ = ["Manifest", "download_state", "read_manifest"]
 

@@ -39,9 +39,9 @@ from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer
 from p2p_diloco.config import Config
 from p2p_diloco.engine import Worker
 from p2p_diloco.fingerprint import fingerprint_differences
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.swarm.dht import SwarmSetupError, bounded
 from p2p_diloco.swarm.identity import Identity, signer_of
-from p2p_diloco.swarm.protocol import RoundTag
 from p2p_diloco.swarm.sync import StateSync, Vouches
 from p2p_diloco.swarm.validators import MAX_STATES, States, owner_subkey
 

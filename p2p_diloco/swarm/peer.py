@@ -46,6 +46,7 @@ from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.fingerprint import swarm_fingerprint
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundRules
 from p2p_diloco.robust import max_round_tokens
 from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.averager import PseudoGradAverager
@@ -53,7 +54,6 @@ from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_d
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
 from p2p_diloco.swarm.identity import Identity, read_authorized_keys
 from p2p_diloco.swarm.join import Membership, PeerOptions, first_state, wait_for_start_peers
-from p2p_diloco.swarm.protocol import RoundRules
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.sync import StateSync
 from p2p_diloco.swarm.validators import make_validators, owner_subkey

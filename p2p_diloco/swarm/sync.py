@@ -42,9 +42,9 @@ import torch
 
 from p2p_diloco.engine import Worker
 from p2p_diloco.outer import OuterState
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import part_digests, state_checksum
 from p2p_diloco.swarm.download import download_state
-from p2p_diloco.swarm.protocol import RoundTag
 
 __all__ = ["Offer", "StateSync", "Vouches", "fetch_vouched"]
 

@@ -169,9 +169,9 @@ def worker(cfg: dict[str, Any]) -> None:
     from hivemind.dht import DHT
 
     from p2p_diloco.engine import fp32_bytes_sent
+    from p2p_diloco.protocol import GatherPayload, RoundTag
     from p2p_diloco.swarm.averager import PseudoGradAverager
     from p2p_diloco.swarm.dht import wait_for_peers
-    from p2p_diloco.swarm.protocol import GatherPayload, RoundTag
 
     rank, world = cfg["rank"], cfg["world"]
     # the averager's own account of each round (its group, votes, failures) on stderr, quoted when a worker stalls

@@ -49,10 +49,10 @@ from netns import Lab, LabError, unavailable
 
 from p2p_diloco.config import load_config
 from p2p_diloco.engine import Worker
+from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import part_digests, state_checksum
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.download import download_state
-from p2p_diloco.swarm.protocol import RoundTag
 
 DEFAULTS: dict[str, Any] = dict(config="configs/small.yaml", donors=3, newcomers=4, repeats=2, rate=100.0)
 SMOKE: dict[str, Any] = dict(config="configs/tiny.yaml", donors=2, newcomers=2, repeats=1)

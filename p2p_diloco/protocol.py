@@ -104,8 +104,9 @@ class GatherPayload:
         return {"v": GATHER_VERSION, "round": self.tag.round, "checksum": self.tag.checksum, "tokens": self.tokens}
 
     def signed_bytes(self, prefix: str, peer_id: str) -> bytes:
-        """What the author signs (swarm/averager.py): the payload, bound to its author and to the run's averaging
-        prefix, so a leader can neither forge a member's payload nor move one to another member or run."""
+        """What the author signs (swarm/reduce.py; checked in swarm/aggregate.py): the payload, bound to its author
+        and to the run's averaging prefix, so a leader can neither forge a member's payload nor move one to another
+        member or run."""
         return f"gather/{GATHER_VERSION}/{prefix}/{peer_id}/{self.tag.round}/{self.tag.checksum}/{self.tokens}".encode()
 
     @classmethod
@@ -246,7 +247,7 @@ def decide(
 ) -> Decision:
     """The one decision of a round for the peer holding ``mine``; see the module docstring for the table.
     ``ahead``: the swarm's state, when the reduce found it more than ``max_staleness`` rounds past ``mine`` and
-    so looked for no group (swarm/averager.py)."""
+    so looked for no group (swarm/matchmaking.py)."""
     dropped = f"; {gathered.malformed} malformed payload(s) dropped" if gathered.malformed else ""
     if not complete:
         if ahead is not None and ahead.round - mine.round > rules.max_staleness:
