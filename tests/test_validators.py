@@ -85,7 +85,7 @@ def test_checked_once_gives_the_signature_verdict_and_verifies_a_record_once(mon
     assert verified == [good, forged, later]  # each distinct record once; its expiration is part of it
     monkeypatch.setattr(CheckedOnce, "MEMORY", 2)
     reader.validate(dht_record(key, writer.local_public_key, {**FINGERPRINT, "round": 4}, signer=writer))
-    kept = [CheckedOnce.digest(r) in reader._verdicts for r in (good, forged, later)]
+    kept = [reader.digest(r) in reader._verdicts for r in (good, forged, later)]
     assert len(reader._verdicts) == 2 and kept == [True, False, False]  # the least recently seen go first
 
 

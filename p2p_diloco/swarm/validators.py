@@ -42,7 +42,6 @@ counts below 2**62. Losses are not bounded: a NaN or infinite loss is how a dive
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import re
@@ -312,9 +311,8 @@ class CheckedOnce(RSASignatureValidator):
         super().__init__(private_key)
         self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
 
-    @staticmethod
-    def digest(record: DHTRecord) -> bytes:
-        return hashlib.sha256(MSGPackSerializer.dumps(dataclasses.astuple(record))).digest()
+    def digest(self, record: DHTRecord) -> bytes:
+        return hashlib.sha256(self._serialize_record(record)).digest()  # the bytes hivemind signs, the same tuple
 
     def validate(self, record: DHTRecord) -> bool:
         seen = self.digest(record)
