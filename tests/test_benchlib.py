@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,8 @@ try:
     print("ready", flush=True)
     time.sleep(60)
 finally:
-    time.sleep(1.0)  # a second SIGTERM lands here
+    print("cleaning", flush=True)
+    time.sleep(1.0)  # the second SIGTERM lands here
     open({done!r}, "w").write("cleaned up")
 """
 
@@ -34,7 +34,7 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short(tmp_path: Path) -> None
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)  # inside the finally block's sleep by now
+        assert proc.stdout.readline().strip() == "cleaning"  # inside the finally block now
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
         assert done.read_text() == "cleaned up"
