@@ -1,6 +1,7 @@
 """A PseudoGradAverager peer as its own process, driven line by line (used by tests/test_averager.py).
 
-Run: ``python tests/averager_worker.py '<json config>'``. Config keys: ``initial_peers`` (list of maddrs),
+Run: ``python tests/averager_worker.py '<json config>'``. Config keys: ``initial_peers`` (list of maddrs, or
+``"stdin"``: read ``INITIAL <json list of maddrs>`` from stdin once the imports are done),
 ``prefix``, ``shapes`` (list of shapes), ``seed`` (pseudo-grads = make_grads(seed, shapes)), ``averager``
 (PseudoGradAverager keyword arguments), optional ``tag`` ([round, checksum] this peer puts in its gather
 payload; default [0, "start"], the same on every peer), optional ``kill_after_parts`` (SIGKILL this peer's
@@ -107,8 +108,11 @@ def main() -> None:
         install_kill_after_sends(int(cfg["kill_after_parts"]), lambda sent: emit("DYING", {"t": time.time()}))
     shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]
     identity = Identity.load(cfg.get("identity_path"))
+    initial_peers = cfg.get("initial_peers") or None
+    if initial_peers == "stdin":  # started beside the first peer, imports done while it came up: now its address
+        initial_peers = json.loads(sys.stdin.readline().removeprefix("INITIAL "))
     dht = DHT(
-        initial_peers=cfg.get("initial_peers") or None,
+        initial_peers=initial_peers,
         start=True,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         identity_path=identity.path,

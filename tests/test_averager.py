@@ -73,11 +73,14 @@ def spawn(tmp_path):
 
 
 def start_swarm(spawn, n: int, per_peer: dict[int, dict] | None = None, **cfg) -> list[Worker]:
-    """Start p0, then the others with p0 as initial peer (peers started at once can form separate DHTs)."""
+    """Start every peer at once, the others with p0 as initial peer: they import while p0 comes up, and build their
+    DHT nodes once p0 is READY (peers whose DHTs start at once can form separate DHTs)."""
     per_peer = per_peer or {}
     first = spawn("p0", initial_peers=[], **cfg, **per_peer.get(0, {}))
+    rest = [spawn(f"p{i}", initial_peers="stdin", **cfg, **per_peer.get(i, {})) for i in range(1, n)]
     maddrs = first.expect("READY", 60)["maddrs"]
-    rest = [spawn(f"p{i}", initial_peers=maddrs, **cfg, **per_peer.get(i, {})) for i in range(1, n)]
+    for worker in rest:
+        worker.send(f"INITIAL {json.dumps(maddrs)}")
     for worker in rest:
         worker.expect("READY", 60)
     return [first, *rest]
