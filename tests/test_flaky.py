@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SUBJECT = '''
+SUBJECT = """
 from pathlib import Path
 
 COUNTER = Path(__file__).with_name("count")
@@ -25,7 +25,7 @@ def test_every_other_run():
 
 def test_steady():
     assert True
-'''
+"""
 
 
 @pytest.mark.timeout(120)
