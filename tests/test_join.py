@@ -112,6 +112,11 @@ def test_a_round_waits_for_the_mates_ending_within_its_patience_and_for_the_next
         reader.admits = lambda peer: peer != slow_id  # our averager banned it (a lying reducer): never waited for
         expected, later = reader._readiness()
         assert slow_id not in expected and len(expected) + len(later) == 1, (expected, later)
+        reader.admits = lambda peer: True
+        assert slow.finish()  # its run is over: it lingers as a donor, but no matchmaking waits for it
+        expected, later = reader._readiness()
+        assert slow_id not in expected and len(expected) + len(later) == 1, (expected, later)
+        assert slow_id in reader.vouches().holders.get(tag, []), reader.vouches()  # still a donor of its state
 
 
 @pytest.mark.timeout(60)

@@ -49,6 +49,7 @@ FINGERPRINT = {
     "states": [[3, "ab12"], [2, "cd34"]],
     "client": False,
     "ready_at": 1.8e9,
+    "done": False,
 }
 
 
@@ -170,7 +171,10 @@ def test_run_schemas_through_the_whole_validator_set():
     assert ok(fp, dict(FINGERPRINT, summary={"a": float("nan")}))
     assert ok(fp, dict(FINGERPRINT, client=True))
     assert ok(fp, dict(FINGERPRINT, ready_at=0.0))
+    assert ok(fp, dict(FINGERPRINT, done=True))
     bad = [
+        {k: v for k, v in FINGERPRINT.items() if k != "done"},
+        dict(FINGERPRINT, done=0),
         {k: v for k, v in FINGERPRINT.items() if k != "client"},  # every field is required (a default is a change)
         {k: v for k, v in FINGERPRINT.items() if k != "ready_at"},
         dict(FINGERPRINT, ready_at=-1.0),

@@ -6,7 +6,8 @@ Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint``
          owner key: only that key can write it, and the key names the peer id, so nobody announces for another peer;
          its fingerprint, the summary, its round and the tags of its last 8 outer states, the last one the state
          it holds, and ``client`` when it runs in client mode (it vouches, but is no donor and leads and reduces
-         nothing); refreshed after every change of the state and every round) and the others' announcements
+         nothing), and ``done`` once its run is over (``finish``: it lingers as a donor, but no matchmaking waits for
+         it); refreshed after every change of the state and every round) and the others' announcements
          (``vouches``: what sync.py's downloads trust; ``Announcements`` is that reading side alone, for a reader
          that announces nothing: the monitor's samples, monitor_samples.py; ``ahead``: the swarm's state when it has
          left ours too far behind to average with it, which the averager asks before it looks for a group);
@@ -153,6 +154,7 @@ class Membership(Announcements):
         self.subkey = owner_subkey(identity.public_key)
         self.states: list[RoundTag] = []  # our recent tags, oldest first
         self.ready_at = 0.0  # when our current inner steps end (DHT time; 0.0: not known)
+        self.done = False  # our run is over: we look for no group again (``finish``)
         # how much later than our own round's end a mate may be ready and still be waited for (expect_ready)
         self.patience = cfg.swarm.matchmaking_time
         self._looking_since: float | None = None  # when this round's exchange began looking for a group (DHT time)
@@ -174,6 +176,7 @@ class Membership(Announcements):
                 "states": [[t.round, t.checksum] for t in self.states],
                 "client": self.client,
                 "ready_at": self.ready_at,
+                "done": self.done,
             }
         return self._store(value, wait)
 
@@ -202,6 +205,18 @@ class Membership(Announcements):
             self._value = value = {**self._value, "ready_at": self.ready_at}
         self._store(value, wait=False)
 
+    def finish(self) -> bool:
+        """Announce that our run is over (we still vouch and, while we linger, serve our state): the mates' matchmaking
+        stops expecting us at once, instead of waiting out its window for a peer that will not come (measured: a
+        peer whose mates had finished waited ~14 s a round with swarm.matchmaking_time=4). False when no DHT node
+        took it within the deadline."""
+        with self._lock:
+            self.done = True
+            if self._value is None:
+                return True
+            self._value = value = {**self._value, "done": True}
+        return self._store(value, wait=True)
+
     def refresh(self) -> None:
         """Store our last announcement again (it says we are still here); called every HEARTBEAT seconds."""
         if self._value is not None:
@@ -229,7 +244,8 @@ class Membership(Announcements):
         yet, or said longer ago than matchmaking_time: still finishing their last exchange, or their announcement of
         this round is on its way; counting them out closed rounds a second before they came, measured); later is
         later. A peer our averager will not group with (banned: ``admits``) is neither: waiting for it held every
-        round open for the whole window (measured: 20 s a round after a lying reducer was banned)."""
+        round open for the whole window (measured: 20 s a round after a lying reducer was banned); nor is one whose run
+        is over (``done``)."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience
         expected, later = {}, []
@@ -237,7 +253,7 @@ class Membership(Announcements):
             at = v.get("ready_at", 0.0)
             if v.get("fingerprint") != self.fingerprint or not v.get("live") or not isinstance(at, float):
                 continue
-            if not self.admits(peer):
+            if v.get("done") or not self.admits(peer):
                 continue
             if at == 0.0 or at < now - window:
                 expected[peer] = None
@@ -284,7 +300,9 @@ class Membership(Announcements):
         announced an end ahead (a whole round, then: the mates wait for it within their patience)."""
         now = get_dht_time()
         ahead = sorted(
-            at for v in self.mates() if v.get("live") and isinstance(at := v.get("ready_at"), float) and at > now
+            at
+            for v in self.mates()
+            if v.get("live") and not v.get("done") and isinstance(at := v.get("ready_at"), float) and at > now
         )
         return ahead[(len(ahead) - 1) // 2] if ahead else None  # the lower median: the earlier of two
 
@@ -301,7 +319,7 @@ class Membership(Announcements):
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
         reduce for a client-mode peer."""
-        return sum(1 for v in self.mates() if v.get("live") and not v.get("client"))
+        return sum(1 for v in self.mates() if v.get("live") and not v.get("client") and not v.get("done"))
 
     def check(self) -> None:
         """Refuse to join a run in which every other peer has other settings; warn about the odd ones out."""

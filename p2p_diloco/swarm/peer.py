@@ -345,6 +345,7 @@ class TrainingPeer:
             if self.opts.stop.is_set():
                 log.info("stop requested: leaving at round %d", self.worker.state.round)
             self._checkpoint()
+            self.members.finish()  # no mate's matchmaking waits for us from here on
             if not self.opts.stop.is_set() and self.cfg.swarm.linger_seconds > 0:
                 log.info("done; serving the final state to peers for %.0fs more", self.cfg.swarm.linger_seconds)
                 self.opts.stop.wait(self.cfg.swarm.linger_seconds)

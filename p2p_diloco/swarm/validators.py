@@ -215,6 +215,8 @@ class _FingerprintWire(pydantic_v1.BaseModel):
     # when this peer's current inner steps end, in DHT time (0.0: not known yet): who to expect at a round's
     # matchmaking and when (join.Membership.expected_members, group_wait)
     ready_at: pydantic_v1.confloat(strict=True, ge=0.0, lt=float(MAX_STEP))
+    # this peer's run is over (it serves its final state while it lingers, then leaves): no matchmaking waits for it
+    done: pydantic_v1.StrictBool
 
     class Config:
         extra = pydantic_v1.Extra.forbid
