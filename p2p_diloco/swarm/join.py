@@ -207,9 +207,9 @@ class Membership(Announcements):
 
     def finish(self) -> bool:
         """Announce that our run is over (we still vouch and, while we linger, serve our state): the mates' matchmaking
-        stops expecting us at once, instead of waiting out its window for a peer that will not come (measured: a
-        peer whose mates had finished waited ~14 s a round with swarm.matchmaking_time=4). False when no DHT node
-        took it within the deadline."""
+        stops expecting us at once, instead of waiting for a peer that will not come while our announcement still
+        reads as live (measured with swarm.matchmaking_time=4: a lone peer's rounds took 13 s, not 11, until then).
+        False when no DHT node took it within the deadline."""
         with self._lock:
             self.done = True
             if self._value is None:
