@@ -251,9 +251,9 @@ class Membership(Announcements):
         expected, later = {}, []
         for peer, v in self.others().items():
             at = v.get("ready_at", 0.0)
-            if v.get("fingerprint") != self.fingerprint or not v.get("live") or not isinstance(at, float):
+            if v.get("fingerprint") != self.fingerprint or not _averages(v) or not isinstance(at, float):
                 continue
-            if v.get("done") or not self.admits(peer):
+            if not self.admits(peer):
                 continue
             if at == 0.0 or at < now - window:
                 expected[peer] = None
@@ -300,9 +300,7 @@ class Membership(Announcements):
         announced an end ahead (a whole round, then: the mates wait for it within their patience)."""
         now = get_dht_time()
         ahead = sorted(
-            at
-            for v in self.mates()
-            if v.get("live") and not v.get("done") and isinstance(at := v.get("ready_at"), float) and at > now
+            at for v in self.mates() if _averages(v) and isinstance(at := v.get("ready_at"), float) and at > now
         )
         return ahead[(len(ahead) - 1) // 2] if ahead else None  # the lower median: the earlier of two
 
@@ -319,7 +317,7 @@ class Membership(Announcements):
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
         reduce for a client-mode peer."""
-        return sum(1 for v in self.mates() if v.get("live") and not v.get("client") and not v.get("done"))
+        return sum(1 for v in self.mates() if _averages(v) and not v.get("client"))
 
     def check(self) -> None:
         """Refuse to join a run in which every other peer has other settings; warn about the odd ones out."""
@@ -336,6 +334,12 @@ class Membership(Announcements):
             )
         for peer in differ:
             log.warning("peer %s runs different settings; it will not average with this peer", peer)
+
+
+def _averages(announcement: dict) -> bool:
+    """Whether the announcing peer still comes to matchmakings: it refreshed its announcement lately (``live``) and
+    its run is not over (``done``: it may linger as a donor, but looks for no group)."""
+    return bool(announcement.get("live")) and not announcement.get("done")
 
 
 def _tags_of(announcement: dict) -> list[RoundTag]:
