@@ -4,6 +4,7 @@ failed, prints the tail of each one's output: CI keeps nothing else of a failed 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.procs import Proc  # noqa: E402
+from scripts.procs import WARM_START_VARIABLE, Proc  # noqa: E402
+
+# peers start forked from a process that has their modules imported (scripts/zygote.py): ~5 s of CPU less each;
+# P2P_DILOCO_WARM_START=0 runs the suite on fresh interpreters
+os.environ.setdefault(WARM_START_VARIABLE, "1")
 
 TAIL_LINES = 60  # of each stream of each child, printed when a test fails
 
