@@ -120,6 +120,38 @@ def test_a_round_waits_for_the_mates_ending_within_its_patience_and_for_the_next
 
 
 @pytest.mark.timeout(60)
+def test_a_member_that_fell_silent_in_a_failed_attempt_is_not_waited_for_until_it_says_it_is_ready():
+    """A mate that did not answer a failed attempt's vote (dead mid all-reduce) still reads as live for a while, its
+    ready_at stale ("still finishing its exchange"): from our next round on it is not expected (not in the retry of
+    the same round), and it is again as soon as it announces a ready_at after the failure."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    cfg = load_config(TINY, [])
+    with _three_members(cfg) as ((reader, alive, dead), keys):
+        tag = RoundTag(2, "e" * 16)
+        for member in (alive, dead):
+            member.looking()  # both were in the group of the attempt that failed
+            assert member.announce(tag)
+        reader.expect_ready(get_dht_time())
+        reader.looking()
+        assert reader.expected_members() == 3
+        time.sleep(0.05)
+        reader.suspect([keys[1].peer_id, keys[2].peer_id])  # neither answered the vote
+        assert reader.expected_members() == 3  # the retry of the same round still waits for both
+        alive.looking()  # the live one retries and says it is looking, after the failure
+        reader.expect_ready(get_dht_time() + 1.0)  # our next round
+        deadline = time.monotonic() + 20
+        while reader.expected_members() != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        expected, later = reader._readiness()
+        assert set(expected) == {keys[1].peer_id} and later == [], (expected, later)
+        dead.looking()  # it was not dead after all: it says when it is ready, and is expected again
+        while reader.expected_members() != 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert reader.expected_members() == 3
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_reads_that_the_swarm_has_left_it_behind_from_the_states_its_mates_vouch_for():
     """``ahead``: the furthest state state_quorum mates vouch for, when it is more than max_staleness rounds past
     ours (the averager then resyncs instead of looking for a group); one mate's own state is not enough."""

@@ -6,8 +6,9 @@ Inputs:  hivemind's ``GroupInfo`` of the group its matchmaking assembled (the me
          ``max_tokens``, ``identity``, ``group_width`` (the config's target_group_size).
 Output:  ``_aggregate_with_group`` (hivemind's hook, overridden) returns the step's result to the host (reduce.py):
          ``complete`` (this member's verdict and the vote, vote.py), the members' payloads (``gathered``), the
-         round's size and number of groups, when the group was assembled (``t_group``), the reason, and the bans
-         with the seconds each has left. When complete, the buffers hold the round's mean.
+         round's size and number of groups, when the group was assembled (``t_group``), the reason, the members
+         that did not answer the vote (``silent``), and the bans with the seconds each has left. When complete, the
+         buffers hold the round's mean.
 State:   ``_banned`` (a reducer caught lying goes in for BAN_SECONDS; matchmaking.py reads it); hivemind's
          ``_running_groups`` (the runner of each group in flight: ``rpc_combine_part`` serves from it).
 Failure: nothing raises out of the attempt: a payload that does not decode or is not signed by its member is
@@ -140,7 +141,7 @@ class AggregateMixin:
             if not vote.done():
                 vote.set_result((verdict, digest))
         deadline = t_group + self.allreduce_timeout - 1.0
-        against = await self._collect_votes(group_info, modes, verdict, digest, deadline)
+        against, silent = await self._collect_votes(group_info, modes, verdict, digest, deadline)
         return dict(
             complete=verdict and not against,
             gathered=gathered,
@@ -148,6 +149,7 @@ class AggregateMixin:
             groups=groups,
             t_group=t_group,
             reason=reason or "members without a complete result: " + ", ".join(against),
+            silent=silent,  # members that did not answer the vote: dead or cut off (reduce.py: suspects)
             # the host's copy of the bans (it is another process): seconds each has left
             banned={p: until - time.monotonic() for p, until in self._banned.items()},
         )

@@ -215,6 +215,9 @@ class PseudoGradAverager(
         # host side: how long this round's matchmaking stays open for the peers expected in it (e.g.
         # Membership.group_window: until the last of them is ready); None: matchmaking_time
         self.group_window: Callable[[], float] | None = None
+        # host side: told the members of a failed attempt that did not answer its vote (dead or cut off; e.g.
+        # Membership.suspect, so that later rounds do not wait for them)
+        self.silent: Callable[[list[str]], None] | None = None
         self._closing = threading.Event()
         self._state_thread = _state_thread_of(self._outer_pipe)  # hivemind's, serving our state: shutdown joins it
         if start:

@@ -160,6 +160,10 @@ class Membership(Announcements):
         self._looking_since: float | None = None  # when this round's exchange began looking for a group (DHT time)
         # whether our averager groups with a peer (PseudoGradAverager.admits: not banned); others are never expected
         self.admits: Callable[[str], bool] = lambda peer: True
+        # members of a failed attempt that did not answer its vote -> when (DHT time): suspects from our next round on
+        # (``suspect``), and the suspects themselves, expected again once they say when they are ready (``_readiness``)
+        self._silent: dict[str, float] = {}
+        self._suspects: dict[str, float] = {}
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
         self._lock = threading.Lock()  # announce runs in the main thread and, once a state is hashed, the hashing one
 
@@ -185,6 +189,8 @@ class Membership(Announcements):
         how much later than our own end a mate may be ready and still be waited for (at most half of
         swarm.round_deadline)."""
         self._looking_since = None  # a new round's inner steps: not looking for a group
+        self._suspects.update(self._silent)
+        self._silent = {}
         if patience is not None and math.isfinite(patience):
             self.patience = min(0.5 * self.cfg.swarm.round_deadline, max(0.0, patience))
         self._say_ready_at(ready_at)
@@ -204,6 +210,17 @@ class Membership(Announcements):
                 return
             self._value = value = {**self._value, "ready_at": self.ready_at}
         self._store(value, wait=False)
+
+    def suspect(self, peers: list[str]) -> None:
+        """``peers`` did not answer a failed attempt's vote (the averager's ``silent``): from our next round on they
+        are not expected until they announce a ``ready_at`` after now. A live one does within a round (it says when
+        its next round ends, and that it is looking); a dead one's announcement reads as live for up to LIVE
+        seconds, with a stale ``ready_at`` that reads as "still finishing its exchange", and every round waited for
+        it until our patience ran out (measured: two rounds of ~18 s after a member was SIGKILLed mid all-reduce).
+        Not in the retry of the same round: a survivor that has not said it is looking again yet looks the same."""
+        now = get_dht_time()
+        for peer in peers:
+            self._silent[peer] = now
 
     def finish(self) -> bool:
         """Announce that our run is over (we still vouch and, while we linger, serve our state): the mates' matchmaking
@@ -245,7 +262,7 @@ class Membership(Announcements):
         this round is on its way; counting them out closed rounds a second before they came, measured); later is
         later. A peer our averager will not group with (banned: ``admits``) is neither: waiting for it held every
         round open for the whole window (measured: 20 s a round after a lying reducer was banned); nor is one whose run
-        is over (``done``)."""
+        is over (``done``), nor a suspect that has not announced a ``ready_at`` since it fell silent (``suspect``)."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience
         expected, later = {}, []
@@ -255,6 +272,11 @@ class Membership(Announcements):
                 continue
             if not self.admits(peer):
                 continue
+            silent_since = self._suspects.get(peer)
+            if silent_since is not None:
+                if at <= silent_since:
+                    continue
+                self._suspects.pop(peer, None)  # it has said when it is ready since: alive
             if at == 0.0 or at < now - window:
                 expected[peer] = None
             elif at <= now:

@@ -192,6 +192,7 @@ class TrainingPeer:
         self.averager.looking = members.looking
         self.averager.swarm_ahead = members.ahead
         self.averager.group_window = members.group_window
+        self.averager.silent = members.suspect
         members.admits = self.averager.admits
         self.sync = sync = StateSync(
             worker,

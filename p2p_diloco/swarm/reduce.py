@@ -3,7 +3,8 @@
 Inputs:  ``reduce(pseudo_grads, weight, payload)`` (averager.py says what each must be); ``identity`` signs our
          payload (``_sign``: bound to our peer id and the run's prefix); ``round_deadline`` and
          ``max_reduce_attempts``; the matchmaking hooks (matchmaking.py: whether the swarm has left us behind,
-         when the next mate will be ready, how many will come and for how long).
+         when the next mate will be ready, how many will come and for how long); ``silent``, told the members of a
+         failed attempt that did not answer its vote (Membership.suspect).
 Output:  ``(averaged, ReduceInfo)``: the shared-memory buffers of the first complete attempt whose mean is finite,
          else copies of the local pseudo-grads, with the attempts, the reason (what each failed attempt and each
          wait came to, in order), the group's payloads, and the timing and byte counts below.
@@ -170,6 +171,7 @@ class ReduceMixin:
         for peer, left in out.get("banned", {}).items():  # the averager process banned them: admits() says so too
             self._banned[peer] = max(self._banned.get(peer, 0.0), time.monotonic() + left)
         if not out["complete"]:
+            self._report_silent(out.get("silent", []))
             return None, f"incomplete all-reduce in a group of {out['group_size']}: {out['reason']}", True
         t0 = time.monotonic()
         with self.get_tensors() as shared:  # the mean itself, not a copy: nothing writes there until our next step
@@ -181,6 +183,15 @@ class ReduceMixin:
         info.group_size, info.groups, info.gathered = out["group_size"], out["groups"], out["gathered"]
         log.info("averaged in a round of %d peer(s), %d group(s)", info.group_size, info.groups)
         return averaged, "", False
+
+    def _report_silent(self, peers: list[str]) -> None:
+        """Tell the host (``silent``, e.g. Membership.suspect) which members of a failed attempt did not answer its
+        vote; a hook that raises is logged and ignored."""
+        if peers and self.silent is not None:
+            try:
+                self.silent(peers)
+            except Exception as exc:  # noqa: BLE001 - a hook's failure must not fail the round
+                log.debug("reporting silent members failed (%r)", exc)
 
     def _result_of(self, control: Any, deadline: float) -> Any:
         """The step's result, by ``deadline`` (monotonic; TimeoutError after it). While it is still matchmaking, say

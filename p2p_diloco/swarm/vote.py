@@ -3,7 +3,8 @@
 Inputs:  this member's verdict on the attempt and the digest of its averaged vector (aggregate.py), the members and
          their modes, a deadline (the group's start plus ``allreduce_timeout``, less 1 s); the verdicts other
          members push to us (``rpc_vote``).
-Output:  ``_collect_votes``: the members that did not confirm a complete result with our digest (empty: agreed).
+Output:  ``_collect_votes``: the members that did not confirm a complete result with our digest (empty: agreed),
+         and those of them that did not answer at all (reduce.py makes them suspects, join.py).
          ``rpc_vote`` answers its caller with this node's group view.
 State:   ``_votes`` (averager process): per group id, for the 16 most recent groups, our verdict, our group view (a
          node's), the verdicts heard, a change event, and the members once known.
@@ -87,8 +88,9 @@ class VoteMixin:
 
     async def _collect_votes(
         self, group_info: GroupInfo, modes: list[AveragingMode], verdict: bool, digest: bytes, deadline: float
-    ) -> list[str]:
-        """Exchange verdicts; return the members that did not confirm a complete result (empty: agreed).
+    ) -> tuple[list[str], list[str]]:
+        """Exchange verdicts; return (the members that did not confirm a complete result, each with why: empty when
+        agreed; the peer ids of those that did not answer at all: dead, or cut off).
 
         A verdict is (complete?, digest of the member's averaged vector): a member counts as confirming only with
         a True verdict and the same digest as ours, so a reducer that sent different members different results
@@ -129,7 +131,10 @@ class VoteMixin:
             for p, a in zip(callable_peers, answers, strict=True)
             if a is not True
         ] + against
-        return against
+        silent = [str(p) for p, a in zip(callable_peers, answers, strict=True) if isinstance(a, BaseException)]
+        if self.mode != AveragingMode.CLIENT:
+            silent += [p for p in clients if p not in heard]
+        return against, silent
 
     async def rpc_vote(self, request: averaging_pb2.AveragingData, context: P2PContext) -> averaging_pb2.AveragingData:
         """Record the caller's verdict; answer with this node's group view once fixed (False if not in time).
