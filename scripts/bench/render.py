@@ -3,18 +3,29 @@
 Usage:
     python scripts/bench/render.py [--results scripts/bench/results] [--out BENCHMARKS.md]
 
-Reads ``<item>.json`` for the items inner, allreduce, utilisation, comm_quality, memory (and gpu_inner,
-gpu_swarm when gpu.sh ran; netlab, compression_quality, stragglers, join and threads when they ran), plus
-``run_all.json`` (total runtime, load). Every table row shows the figure, its reference measured in the same run,
-the ratio, the machine and the date. Missing results are listed as not run; results of a ``--smoke`` run (tiny
-sizes, to check the scripts) are flagged as such in the text. Nothing is measured here.
+Inputs:  ``<item>.json`` in ``--results`` for the items inner, allreduce, utilisation, comm_quality, memory (and
+         gpu_inner, gpu_swarm when gpu.sh ran; netlab, compression_quality, stragglers, join, staleness, threads,
+         one_state and scale when they ran), plus ``run_all.json`` (total runtime, load); the loss-vs-bytes PNGs of
+         scripts/paper_table.py under docs/paper_table/ are linked when they exist. Nothing is measured or rerun here.
+Output:  ``--out`` (BENCHMARKS.md): first a one-screen summary, one row per item (1-14): its headline figure against
+         its anchor, computed from that item's JSON (never typed in), the target its own rows state (their
+         ratio_kind, "target >= 0.98"; items 13 and 14: one state a round), whether it is met (yes, no, "k of n"
+         cases) and the UTC day(s) of the run. Then "## Detail": the full table (every row: figure, reference
+         measured in the same run, ratio, machine, date), items 13 and 14 per case, how each figure is measured, and
+         where the time and memory go.
+Failure: a missing results file is "not run" (an unreadable one counts as missing); a file whose fields the summary
+         cannot read gets a summary row saying so instead of a figure, and the detail still renders; results of a
+         ``--smoke`` run (tiny sizes, to check the scripts) are flagged as not measurements, and smoke cases of
+         one_state/scale are left out. A row field missing in the main detail table raises (KeyError).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,9 +190,425 @@ def _in_place(found: dict | None) -> str:
     )
 
 
+# --- the one-screen summary at the top of the page ------------------------------------------------------------------
+# One row per item: its headline figure against its anchor, computed here from the item's JSON (no figure is typed
+# in), the target as the item's own rows state it (their ratio_kind, e.g. "(target >= 0.98)"), whether it is met, and
+# the UTC day(s) of the run. An item without a results file says "not run"; one whose JSON this code cannot read
+# says so and points to the detail.
+
+SWARM_ITEMS = [("one_state", "13. One swarm, one state"), ("scale", "14. Many peers on one machine")]
+SHORT = {
+    "inner": "1. Inner loop",
+    "allreduce": "2. Averaging round",
+    "utilisation": "3. Compute utilisation",
+    "comm_quality": "4. Communication to quality",
+    "memory": "5. Memory",
+    "gpu": "6. GPU",
+    "gpu_inner": "6. GPU: inner loop",
+    "gpu_swarm": "6. GPU: 2-peer swarm",
+    "netlab": "7. Shaped links",
+    "compression_quality": "8. Quality per codec, overlap",
+    "stragglers": "9. One peer 3x slower",
+    "join": "10. Joining",
+    "staleness": "11. Delayed pseudo-gradient",
+    "threads": "12. Threads",
+    "one_state": "13. One state",
+    "scale": "14. Many peers",
+}
+# loss against bytes sent, drawn by scripts/paper_table.py from its own simulator runs (linked when present)
+PLOTS = ("docs/paper_table/tiny_loss_vs_bytes.png", "docs/paper_table/small_loss_vs_bytes.png")
+_TARGET = re.compile(r"target ([<>]=) ?([0-9]*\.?[0-9]+)([^)]*)")
+
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.3f}x" if ratio < 10 else f"{ratio:.1f}x"
+
+
+def _span(values: list[float], form: Callable[[float], str]) -> str:
+    lo, hi = form(min(values)), form(max(values))
+    return lo if lo == hi else f"{lo.rstrip('x%')}-{hi}"
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.1f}%"
+
+
+Target = tuple[str, float, str, str]  # operator, bound, the bound as written, the rest of its text ("at H=100")
+
+
+def _target(rows: list[dict[str, Any]]) -> Target | None:
+    """The first target stated in the rows' ratio_kind ("... (target >= 0.99 at H=100)")."""
+    for r in rows:
+        m = _TARGET.search(r.get("ratio_kind", ""))
+        if m:
+            return m.group(1), float(m.group(2)), m.group(2), m.group(3).strip()
+    return None
+
+
+def _met(values: list[float], target: Target | None) -> str:
+    """ "yes", "no" or "k of n": how many of ``values`` reach ``target``; "-" without one."""
+    if target is None or not values:
+        return "-"
+    op, bound = target[:2]
+    hits = sum((v >= bound) if op == ">=" else (v <= bound) for v in values)
+    return "yes" if hits == len(values) else "no" if hits == 0 else f"{hits} of {len(values)}"
+
+
+def _target_text(target: Target | None, unit: str = "") -> str:
+    return "-" if target is None else " ".join(x for x in (f"{target[0]} {target[2]}{unit}", target[3]) if x)
+
+
+Headline = tuple[str, str, str]  # headline, target, met
+
+
+def _s_inner(d: dict[str, Any]) -> Headline:
+    rows = d["rows"]
+    target = _target(rows)
+    each = ", ".join(f"{_x(r['ratio'])} ({r['figure'].split(' (')[0]})" for r in rows)
+    ref = rows[0]["reference"].split(",")[0]
+    return f"{rows[0]['unit']}: {each} a {ref}", _target_text(target), _met([r["ratio"] for r in rows], target)
+
+
+def _s_allreduce(d: dict[str, Any]) -> Headline:
+    def ratios(group: str) -> list[float]:
+        return [r["ratio"] for r in d["rows"] if r.get("group") == group]
+
+    overlap = [r for r in d["rows"] if r.get("group") == "allreduce_overlap"]
+    target = _target(overlap)
+    codecs: dict[str, list[float]] = {}
+    for c in d.get("codecs", []):
+        if c["codec"] != "none":  # fp32: the summaries' rows
+            codecs.setdefault(c["codec"], []).append(c["payload_bytes"] / c["bytes_lower_bound"])
+    cases = f"{len(d['summaries'])} fp32 cases" + (
+        "; codecs " + ", ".join(f"{k} {_span(v, _x)}" for k, v in codecs.items()) if codecs else ""
+    )
+    parts = [f"payload {_span(ratios('allreduce_bytes'), _x)} the butterfly bound ({cases})"]
+    parts.append(f"round wall {_span(ratios('allreduce_time'), _x)} gloo's")
+    if overlap:
+        parts.append(f"exposed with overlap {_span([r['ratio'] for r in overlap], _x)} gloo's")
+    return "; ".join(parts), _target_text(target, "x gloo"), _met([r["ratio"] for r in overlap], target)
+
+
+def _overrides(overrides: list[str]) -> tuple[bool, bool]:
+    """(time-budgeted rounds, eager overlap) of a case's overrides."""
+    return (
+        any(o.startswith("inner.round_seconds=") for o in overrides),
+        any("overlap=eager" in o for o in overrides),
+    )
+
+
+def _s_utilisation(d: dict[str, Any]) -> Headline:
+    cases = [c for c in d["cases"] if c.get("utilisation_wall") is not None]
+    target = _target(d["rows"])
+    parts = []
+    for eager in (False, True):
+        fixed = [c for c in cases if _overrides(c["overrides"]) == (False, eager)]
+        if fixed:
+            each = ", ".join(f"{_pct(c['utilisation_wall'])} {c['case']}" for c in fixed)
+            parts.append(f"{'eager overlap' if eager else 'blocking'} {each}")
+    best = max(cases, key=lambda c: c["utilisation_wall"])
+    budgeted, eager = _overrides(best["overrides"])
+    how = ", ".join(
+        [best["case"]]
+        + (["time-budgeted rounds"] if budgeted else [])
+        + [o.split(".")[-1] for o in best["overrides"] if o.startswith("swarm.overlap")]
+    )
+    hs = sorted({c["h"] for c in cases if not any(_overrides(c["overrides"]))})
+    head = f"fixed H={'/'.join(map(str, hs))}: " + "; ".join(parts) + f"; best {_pct(best['utilisation_wall'])} ({how})"
+    return head, _target_text(target), _met([c["utilisation_wall"] for c in cases], target)
+
+
+def _s_comm_quality(d: dict[str, Any]) -> Headline:
+    runs = d["summary"]["runs"]
+    sync = next(r for r in runs.values() if r["mode"] == "sync")
+    diloco = sorted((r for r in runs.values() if r["mode"] == "diloco"), key=lambda r: r["h"])
+    margin = d["summary"]["target"] / sync["final_eval_loss"] - 1
+    reached = [r["target_crossing"] is not None for r in diloco]
+    hs = "/".join(str(r["h"]) for r in diloco)
+    finals = "/".join(f"{100 * (r['final_eval_loss'] / sync['final_eval_loss'] - 1):+.1f}%" for r in diloco)
+    fewer = "/".join(
+        _x(sync["common_crossing"]["bytes"] / r["common_crossing"]["bytes"]).rstrip("x")
+        for r in diloco
+        if r.get("common_crossing") and sync.get("common_crossing")
+    )
+    head = (
+        f"DiLoCo H={hs} vs sync data-parallel: final loss {finals} vs sync's; to the loss every run reaches, "
+        f"{fewer}x fewer bytes than sync (expected about H)"
+    )
+    met = "yes" if all(reached) else "no" if not any(reached) else f"{sum(reached)} of {len(reached)}"
+    return head, f"sync's loss +{100 * margin:.0f}%", met
+
+
+def _s_memory(d: dict[str, Any]) -> Headline:
+    rows = [r for r in d["rows"] if r.get("extra_bytes_per_param") is not None]
+    host = [r for r in rows if "host process alone" in r["figure"]]
+    tree = [r["ratio"] for r in rows if r not in host]
+    parts = [
+        f"training process {_x(r['ratio'])} a plain AdamW process's peak (+{r['extra_bytes_per_param']:.1f} B/param)"
+        for r in host
+    ]
+    if tree:
+        parts.append(f"whole peer tree (DHT, p2pd, averager) {_span(tree, _x)}")
+    return f"{rows[0]['figure'].split(' peer ')[0]}: " + "; ".join(parts), "-", "-"
+
+
+def _s_netlab(d: dict[str, Any]) -> Headline:
+    cases = [c for c in d["cases"] if c.get("utilisation") is not None]
+    rates = "/".join(f"{r:g}" for r in sorted({c["rate_mbit"] for c in cases}))
+    peers = "/".join(str(p) for p in sorted({c["peers"] for c in cases}))
+    parts = []
+    for eager in (False, True):
+        xs = [c["utilisation"] for c in cases if _overrides(c["setting"] + c.get("overrides", []))[1] == eager]
+        if xs:
+            parts.append(f"{'eager overlap' if eager else 'blocking'} {_span(xs, _pct)}")
+    head = f"{peers} peers on {rates} Mbit/s links, utilisation: " + ", ".join(parts) + f" ({len(cases)} cases)"
+    return head, "-", "-"
+
+
+def _s_compression_quality(d: dict[str, Any]) -> Headline:
+    ok = [c for c in d["cases"] if c.get("ratio") is not None]
+    codec = [c for c in ok if c["overlap"] == "none" and c["compression"] != "none"]
+    eager = [c for c in ok if c["overlap"] != "none"]
+    parts = []
+    if codec:
+        names = "/".join(sorted({c["compression"] for c in codec}))
+        parts.append(f"{names} {_span([c['ratio'] for c in codec], _x)}")
+    if eager:
+        taus = sorted({c["tau"] for c in eager})
+        parts.append(f"eager overlap τ={taus[0]}-{taus[-1]} {_span([c['ratio'] for c in eager], _x)}")
+    presets = "/".join(sorted({c["preset"] for c in ok}))
+    head = f"final loss / blocking fp32's, same seed ({presets}, {len(ok)} runs): " + "; ".join(parts)
+    return head, "-", "-"
+
+
+def _s_stragglers(d: dict[str, Any]) -> Headline:
+    base = next(c["label"] for c in d["cases"] if not c["slow_peer"] and not c["overrides"])
+    slow = f", one peer {d['args']['slowdown']:g}x slower"
+    rows = [r for r in d["rows"] if r["reference"] == base]
+    each = ", ".join(f"{_x(r['ratio'])} ({r['figure'].split(' vs ')[0].replace(slow, '')})" for r in rows)
+    return f"eval loss after {d['args']['seconds']:g} s{slow} / {base}: {each}", "-", "-"
+
+
+def _s_join(d: dict[str, Any]) -> Headline:
+    parts = []
+    for r in d["rows"]:
+        m = re.search(r"(\d+) newcomer", r["figure"])
+        who = r["figure"] if not m else "1 newcomer" if m.group(1) == "1" else f"{m.group(1)} newcomers at once"
+        parts.append(f"{_x(r['value'] / r['wire_seconds'])} the wire time ({who})")
+    ratios = _span([r["ratio"] for r in d["rows"]], _x)
+    head = (
+        f"state download from {d['args']['donors']} donors: " + ", ".join(parts) + f"; {ratios} the time from 1 donor"
+    )
+    return head, "-", "-"
+
+
+def _s_staleness(d: dict[str, Any]) -> Headline:
+    parts = []
+    for part in dict.fromkeys(c["partition"] for c in d["cases"]):
+        cases = [c for c in d["cases"] if c["partition"] == part]
+        base = next(c for c in cases if len(set(c["speeds"])) == 1)
+        kinds: dict[str, list[float]] = {}
+        for c in cases:
+            if c is not base:
+                kinds.setdefault(c["label"].split(",")[0].split(" (")[0], []).append(c["eval_loss"] / base["eval_loss"])
+        parts.append(f"{part}: " + ", ".join(f"{k} {_span(v, _x)}" for k, v in kinds.items()))
+    return f"eval loss / equal speeds, one worker {d['args']['slowdown']:g}x slower: " + "; ".join(parts), "-", "-"
+
+
+THREAD_NAMES = {
+    "default": "torch's default",
+    "auto": "--threads 0",
+    "1": "--threads 1",
+    "default-passive": "OMP PASSIVE",
+}
+
+
+def _s_threads(d: dict[str, Any]) -> Headline:
+    alone, busy = d["blocks"]["alone"], d["blocks"]["busy"]
+    each = ", ".join(
+        f"{THREAD_NAMES.get(k, k)} {_x(busy[k]['wall_seconds'] / alone[k]['wall_seconds'])}" for k in busy if k in alone
+    )
+    return f"wall beside {d['args']['busy']} busy process(es) / alone: {each}", "-", "-"
+
+
+def _s_generic(d: dict[str, Any]) -> Headline:
+    rows = [r for r in d["rows"] if r.get("ratio") is not None]
+    target = _target(rows)
+    head = f"{_span([r['ratio'] for r in rows], _x)} {rows[0]['ratio_kind']} ({len(rows)} rows)"
+    return head, _target_text(target), _met([r["ratio"] for r in rows], target)
+
+
+def _swarm_cases(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measured cases of one_state.json or scale.json, by peers; smoke cases (harness checks) are left out."""
+    cases = [{"name": k, **c} for k, c in d["cases"].items() if not k.startswith("smoke")]
+    return sorted(cases, key=lambda c: (c["peers"], c["name"]))
+
+
+def _one_every_round(c: dict[str, Any]) -> bool:
+    return all(n == 1 for n in c["states_per_round"].values()) and c["final_states"] == 1
+
+
+def _s_one_state(d: dict[str, Any]) -> Headline:
+    cases = _swarm_cases(d)
+    ones = [_one_every_round(c) for c in cases]
+    worst = max(cases, key=lambda c: c["lost_share"])
+    peers = _span([c["peers"] for c in cases], str)
+    head = (
+        f"{len(cases)} swarms of {peers} run_peer processes: one state every round in {sum(ones)}, one final state "
+        f"in {sum(c['final_states'] == 1 for c in cases)}; lost peer-rounds "
+        f"{_span([c['lost_share'] for c in cases], lambda x: f'{100 * x:.0f}%')} (worst: {worst['name']})"
+    )
+    met = "yes" if all(ones) else "no" if not any(ones) else f"{sum(ones)} of {len(ones)}"
+    return head, "1 state a round", met
+
+
+def _s_scale(d: dict[str, Any]) -> Headline:
+    cases = _swarm_cases(d)
+    parts = []
+    for c in cases:
+        text = f"{c['peers']} peers in groups of {c['group']}: {100 * c['lost_share']:.0f}% peer-rounds lost, " + (
+            "one state every round" if _one_every_round(c) else f"{c['final_states']} final states"
+        )
+        if _one_every_round(c):
+            text += f", {c['median_bytes_over_bound']:.3f}x the byte bound"
+        if c.get("problem"):
+            text += " (" + c["problem"].split(":")[0] + ")"
+        parts.append(text)
+    ones = [_one_every_round(c) for c in cases]
+    met = "yes" if all(ones) else "no" if not any(ones) else f"{sum(ones)} of {len(ones)}"
+    return "; ".join(parts), "1 state a round", met
+
+
+SUMMARISERS: dict[str, Callable[[dict[str, Any]], Headline]] = {
+    "inner": _s_inner,
+    "allreduce": _s_allreduce,
+    "utilisation": _s_utilisation,
+    "comm_quality": _s_comm_quality,
+    "memory": _s_memory,
+    "netlab": _s_netlab,
+    "compression_quality": _s_compression_quality,
+    "stragglers": _s_stragglers,
+    "join": _s_join,
+    "staleness": _s_staleness,
+    "threads": _s_threads,
+    "one_state": _s_one_state,
+    "scale": _s_scale,
+}
+
+
+def _dates(d: dict[str, Any]) -> str:
+    """UTC day(s) the item ran: its finished stamp and those of runs merged into it (one level down), or the cases'
+    utc stamps (one_state.json, scale.json)."""
+    stamps = [d.get("finished")] + [v.get("finished") for v in d.values() if isinstance(v, dict)]
+    if isinstance(d.get("cases"), dict):
+        stamps += [c.get("utc") for c in d["cases"].values() if isinstance(c, dict)]
+    days = sorted({s[:10] for s in stamps if isinstance(s, str)})
+    return "-" if not days else days[0] if len(days) == 1 else f"{days[0]} to {days[-1][5:]}"
+
+
+def summary_row(item: str, data: dict[str, Any] | None) -> list[str]:
+    """One summary row: item, headline, target, met, run day(s)."""
+    if data is None:
+        return [SHORT.get(item, item), "not run", "-", "-", "-"]
+    if not isinstance(data, dict):
+        return [SHORT.get(item, item), "results file holds no JSON object: see the file", "-", "-", "-"]
+    try:
+        head, target, met = SUMMARISERS.get(item, _s_generic)(data)
+    except (KeyError, TypeError, ValueError, IndexError, StopIteration, ZeroDivisionError, AttributeError) as e:
+        head = f"results present, not in the form this summary reads ({type(e).__name__}): see Detail"
+        target, met = "-", "-"
+    if data.get("smoke"):
+        head = "**smoke run, not a measurement**: " + head
+    return [SHORT.get(item, item), head.replace("|", "/"), target, met, _dates(data)]
+
+
+def summary(found: dict[str, dict[str, Any] | None], root: Path = ROOT) -> list[str]:
+    """The page's one-screen summary (markdown lines)."""
+    lines = [
+        "## Summary",
+        "",
+        "| item | headline, against its anchor | target | met | run (UTC) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    rows = []
+    for item, _ in ITEMS:
+        if item == "gpu_swarm":
+            continue
+        if item == "gpu_inner":
+            gpu = [(k, found.get(k)) for k in ("gpu_inner", "gpu_swarm") if found.get(k)]
+            if not gpu:
+                rows.append([SHORT["gpu"], "not run (needs one CUDA GPU: `bash scripts/bench/gpu.sh`)", "-", "-", "-"])
+            rows += [summary_row(k, d) for k, d in gpu]
+            continue
+        rows.append(summary_row(item, found.get(item)))
+    rows += [summary_row(item, found.get(item)) for item, _ in SWARM_ITEMS]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines.append("")
+    note = (
+        "Target: as the item's own results state it (13, 14: the question those items ask); met: how many of its "
+        "cases reach it (- where none is set). Per-case figures, references and how each is measured: "
+        "[Detail](#detail)."
+    )
+    plots = [p for p in PLOTS if (root / p).is_file()]
+    if plots:
+        note += (
+            " Loss against bytes sent (scripts/paper_table.py's own simulator runs, not item 4's): "
+            + ", ".join(f"[{Path(p).stem.replace('_', ' ')}]({p})" for p in plots)
+            + "."
+        )
+    lines += [note, ""]
+    return lines
+
+
+def swarm_detail(found: dict[str, dict[str, Any] | None]) -> list[str]:
+    """Items 13 and 14 (one_state.json, scale.json: cases without rows), one table line per case, notes below."""
+    try:
+        cases = [(title, c) for item, title in SWARM_ITEMS if found.get(item) for c in _swarm_cases(found[item])]
+        return _swarm_table(found, cases) if cases else []
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return [f"Items 13 and 14: results present, not in the form this page reads ({type(e).__name__}).", ""]
+
+
+def _swarm_table(found: dict[str, dict[str, Any] | None], cases: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "### Items 13 and 14, per case (one_state.json, scale.json)",
+        "",
+        "| item | case | peers, --group | rounds | states per round (most) | final states | peer-rounds lost "
+        "| median bytes sent | date |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    notes = []
+    for title, c in cases:
+        spr = max(c["states_per_round"].values(), default=0)
+        over = f" ({c['median_bytes_over_bound']:.3f}x the bound)" if c.get("median_bytes_over_bound") else ""
+        cells = [
+            title,
+            c["name"],
+            f"{c['peers']}, {c['group']}",
+            str(c["rounds"]),
+            str(spr),
+            str(c["final_states"]),
+            f"{c['lost_peer_rounds']} of {c['peer_rounds_trained']} ({100 * c['lost_share']:.0f}%)",
+            fmt(c["median_bytes_sent"], "B") + over,
+            str(c.get("utc", "-"))[:10],
+        ]
+        lines.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")
+        for key in ("problem", "note"):
+            if c.get(key):
+                notes.append(f"- {c['name']} ({title.split('.')[0]}): {c[key]}")
+    smoke = [f"{k} ({t.split('.')[0]})" for item, t in SWARM_ITEMS for k in (found.get(item) or {}).get("cases", {})]
+    smoke = [k for k in smoke if k.startswith("smoke")]
+    if smoke:
+        notes.append(
+            f"- Left out here and in the summary: {', '.join(smoke)}, the harness's smoke check, not a measurement."
+        )
+    lines += ["", *notes, ""] if notes else [""]
+    return lines
+
+
 def render(results: Path) -> str:
     run_all = load(results, "run_all")
-    found = {item: load(results, item) for item, _ in ITEMS}
+    found = {item: load(results, item) for item, _ in ITEMS + SWARM_ITEMS}
     first = next((d for d in found.values() if d), None)
     lines = ["# Benchmarks", ""]
     lines.append(
@@ -190,7 +617,8 @@ def render(results: Path) -> str:
         "as root, `scripts/bench/compression_quality.py`; item 9 is `scripts/bench/stragglers.py`, about 10 minutes; "
         "item 10 is `scripts/bench/join.py --netlab` as root, about "
         "4 minutes; item 11 is `scripts/bench/staleness.py`, about 25 minutes; item 12 is `scripts/bench/threads.py`, "
-        "a few minutes; `render.py` rebuilds this page from the results). Every "
+        "a few minutes; items 13 and 14 are `scripts/bench/one_state.py` and `scripts/bench/scale.py`; `render.py` "
+        "rebuilds this page from the results, measuring nothing). Every "
         "figure is a ratio against a reference measured in the same run, on the same "
         "machine, interleaved where possible. Raw numbers: `scripts/bench/results/*.json`."
     )
@@ -203,6 +631,8 @@ def render(results: Path) -> str:
             + ": these figures are not measurements."
         )
         lines.append("")
+    lines += summary(found)
+    lines += ["## Detail", ""]
     if run_all:
         lines.append(
             f"Last full run: {run_all['started'][:16].replace('T', ' ')} UTC, {machine_text(run_all['machine'])}, "
@@ -259,6 +689,7 @@ def render(results: Path) -> str:
                 "run yet: no GPU was available where these figures were taken."
             )
         lines.append("")
+    lines += swarm_detail(found)
     lines.append("## How each figure is measured")
     lines.append("")
     for item, title in ITEMS:
