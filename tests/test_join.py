@@ -152,6 +152,25 @@ def test_a_member_that_fell_silent_in_a_failed_attempt_is_not_waited_for_until_i
 
 
 @pytest.mark.timeout(60)
+def test_a_peer_is_alone_only_when_the_read_answered_and_no_mate_averages():
+    """``alone`` (a round is then local at once): only when the run's members were read (our own announcement is in
+    the answer) and no other peer with our settings is live and not done."""
+    cfg = load_config(TINY, [])
+    with _three_members(cfg) as ((reader, mate, stranger), _):
+        tag = RoundTag(1, "f" * 16)
+        assert not reader.alone()  # nothing read back, not even our own announcement: not sure
+        assert reader.announce(tag)
+        assert reader.alone()
+        stranger.fingerprint = "other settings"
+        assert stranger.announce(tag)
+        assert reader.alone()  # a peer of other settings never averages with us
+        assert mate.announce(tag)
+        assert not reader.alone()
+        assert mate.finish()  # its run is over: it lingers as a donor only
+        assert reader.alone()
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_reads_that_the_swarm_has_left_it_behind_from_the_states_its_mates_vouch_for():
     """``ahead``: the furthest state state_quorum mates vouch for, when it is more than max_staleness rounds past
     ours (the averager then resyncs instead of looking for a group); one mate's own state is not enough."""

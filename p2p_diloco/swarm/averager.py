@@ -218,6 +218,9 @@ class PseudoGradAverager(
         # host side: told the members of a failed attempt that did not answer its vote (dead or cut off; e.g.
         # Membership.suspect, so that later rounds do not wait for them)
         self.silent: Callable[[list[str]], None] | None = None
+        # host side: whether this peer is sure to be the only one of the run that averages now (e.g.
+        # Membership.alone); a round is then local at once, without a matchmaking that cannot succeed
+        self.alone: Callable[[], bool] | None = None
         self._closing = threading.Event()
         self._state_thread = _state_thread_of(self._outer_pipe)  # hivemind's, serving our state: shutdown joins it
         if start:

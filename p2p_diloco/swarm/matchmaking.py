@@ -3,14 +3,15 @@
 Inputs:  the host's hooks, set by the training peer (Membership, join.py; each None: not asked):
          ``expected_members`` (how many peers, us included, will come to this round), ``group_window`` (how long
          to hold the matchmaking open for them), ``group_wait`` (seconds until the next peer will be ready when none
-         is now), ``looking`` (say that we are ready and looking now), ``swarm_ahead`` (the swarm's state when it
-         is past ours by more than max_staleness), ``reachable_members`` (client mode: the live peers that accept
-         calls); ``min_group_size``, ``max_round_peers``, ``matchmaking_time``, ``round_deadline``; ``authorized``
-         (a closed run's peer ids) and the bans.
-Output:  for reduce.py: ``_wait_for_group`` (waited, and may look now?), ``_left_behind``, ``_no_reachable_member``,
-         ``_say_looking``; ``_expect_members`` sets the round's size and window in the averager process
-         (``_set_group_target``, read by the next step). ``admits(peer)``: whether ``peer`` may average with us
-         and download our state.
+         is now), ``looking`` (say that we are ready and looking now), ``alone`` (sure that no other peer of the run
+         averages now), ``swarm_ahead`` (the swarm's state when it is past ours by more than max_staleness),
+         ``reachable_members`` (client mode: the live peers that accept calls); ``min_group_size``,
+         ``max_round_peers``, ``matchmaking_time``, ``round_deadline``; ``authorized`` (a closed run's peer ids) and
+         the bans.
+Output:  for reduce.py: ``_wait_for_group`` (waited, and may look now?), ``_left_behind``, ``_alone``,
+         ``_no_reachable_member``, ``_say_looking``; ``_expect_members`` sets the round's size and window in the
+         averager process (``_set_group_target``, read by the next step). ``admits(peer)``: whether ``peer`` may
+         average with us and download our state.
 State:   ``_banned``: reducers caught lying -> until when (monotonic) we refuse them. aggregate.py bans them for
          ``BAN_SECONDS`` in the averager process; the host keeps a copy from each step's result. Like unlisted
          peers of a closed run, they are refused as followers (``rpc_join_group``), never asked to lead us (the
@@ -109,6 +110,16 @@ class MatchmakingMixin:
             self.looking()
         except Exception as exc:  # noqa: BLE001 - the mates then read our last announcement, as before
             log.debug("announcing that this peer is looking for a group failed (%r)", exc)
+
+    def _alone(self) -> bool:
+        """Whether we are sure no other peer of the run averages now (``alone``); False when not known."""
+        if self.alone is None:
+            return False
+        try:
+            return bool(self.alone())
+        except Exception as exc:  # noqa: BLE001 - not knowing: look for a group as usual
+            log.debug("whether this peer is alone is unknown (%r)", exc)
+            return False
 
     def _no_reachable_member(self) -> bool:
         """Whether no live peer of the run can lead a group for us (client mode; ``reachable_members`` says 0)."""

@@ -193,6 +193,7 @@ class TrainingPeer:
         self.averager.swarm_ahead = members.ahead
         self.averager.group_window = members.group_window
         self.averager.silent = members.suspect
+        self.averager.alone = members.alone
         members.admits = self.averager.admits
         self.sync = sync = StateSync(
             worker,

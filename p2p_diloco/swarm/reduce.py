@@ -20,7 +20,8 @@ Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, befor
          that will be ready (``_wait_for_group``); any retry only while ``max_reduce_attempts`` and
          ``round_deadline`` leave room for a whole attempt and the swarm has not left this peer behind
          (``_left_behind``). A client-mode peer that no live peer of the run can lead (``reachable_members`` says 0)
-         returns the local result at once, with ``NO_REACHABLE_MEMBER`` as the reason.
+         returns the local result at once, with ``NO_REACHABLE_MEMBER`` as the reason; a peer sure to be the only
+         one of the run that averages (``alone``), with ``ALONE``.
 
 Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
 process (the group is assembled; a group smaller than the expected size forms only at the leader's
@@ -49,7 +50,7 @@ from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.outer import is_finite
 from p2p_diloco.protocol import Gathered, GatherPayload
 
-__all__ = ["NO_REACHABLE_MEMBER", "ReduceMixin"]
+__all__ = ["ALONE", "NO_REACHABLE_MEMBER", "ReduceMixin"]
 
 log = logging.getLogger("p2p_diloco.averager")
 NO_REACHABLE_MEMBER = (
@@ -57,6 +58,8 @@ NO_REACHABLE_MEMBER = (
     "so nobody can lead a group or reduce; rounds stay local until a reachable peer joins (one with a forwarded "
     "port and --announce-maddrs, or a public address)"
 )
+
+ALONE = "alone: no other peer of the run averages now (its members were read: none live with these settings)"
 
 
 class _NoGroupIsNotAnError(logging.Filter):
@@ -100,6 +103,9 @@ class ReduceMixin:
         notes: list[str] = []
         if self.client_mode and self._no_reachable_member():
             info.group_size, info.reason = 1, NO_REACHABLE_MEMBER
+            return [g.clone() for g in grads], info
+        if self._alone():
+            info.group_size, info.reason = 1, ALONE
             return [g.clone() for g in grads], info
         attempt_budget = 2 * self.matchmaking_time + self.request_timeout_s + self.allreduce_timeout
         mine = payload.tag if isinstance(payload, GatherPayload) else None
