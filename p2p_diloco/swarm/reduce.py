@@ -202,8 +202,7 @@ class ReduceMixin:
     def _result_of(self, control: Any, deadline: float) -> Any:
         """The step's result, by ``deadline`` (monotonic; TimeoutError after it). While it is still matchmaking, say
         every quarter of matchmaking_time that we are looking (``looking``): a mate that reads our announcement then
-        still expects us and names the same leader (Membership.leader), where a ``ready_at`` gone stale would read as
-        averaging since."""
+        still expects us (Membership._readiness), where a ``ready_at`` gone stale would read as averaging since."""
         while True:
             try:
                 return control.result(timeout=max(0.0, min(self.matchmaking_time / 4, deadline - time.monotonic())))
