@@ -87,3 +87,62 @@ def test_a_throttled_process_makes_a_fraction_of_a_siblings_progress_and_is_cont
     finally:
         for proc in procs:
             proc.kill_group()
+
+
+# what a program can see of how it was started
+PROBE = """
+import os, random, sys
+print(repr((sys.argv, os.getcwd(), os.environ.get("PROBE"), sys.path[0], __name__, os.getsid(0) == os.getpid())))
+print(random.random(), os.getppid(), flush=True)
+code = sys.stdin.readline().strip()
+if code == "raise":
+    raise ValueError("from the probe")
+if code == "interrupt":
+    raise KeyboardInterrupt
+sys.exit(int(code))
+"""
+
+
+@pytest.mark.parametrize("how", ["-c", "script"])
+def test_a_warm_child_runs_as_a_fresh_interpreter_would(tmp_path, how):
+    """scripts/zygote.py forks the child from a process with the peers' modules imported: it must see the same
+    argv, working directory, environment, sys.path[0] and session as a fresh interpreter, draw other random
+    numbers than its siblings, and end with the same exit status."""
+    from scripts.procs import _warm_starter
+
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    args = [sys.executable, "-c", PROBE, "x"] if how == "-c" else [sys.executable, str(script), "x"]
+    env = {**os.environ, "PROBE": "p"}
+
+    def run(warm: bool, code: str) -> tuple[str, float, int, int, str]:
+        proc = Proc(args, env=env, stdin=True, cwd=tmp_path, warm=warm)
+        try:
+            seen = proc.next_line(timeout=60)
+            draw, parent = proc.next_line(timeout=30).split()
+            proc.send(code)
+            return seen, float(draw), int(parent), proc.wait(timeout=30), proc.stderr
+        finally:
+            proc.kill_group()
+
+    cold, warm = run(False, "3"), run(True, "3")
+    assert warm[0] == cold[0] and warm[3] == cold[3] == 3, (cold, warm)
+    assert warm[2] == _warm_starter().server.pid != cold[2]  # forked by the zygote, not started afresh
+    assert run(True, "3")[1] != warm[1]  # its own random seed, not the zygote's
+    for code, status in (("raise", 1), ("interrupt", -2)):
+        cold, warm = run(False, code), run(True, code)
+        assert warm[3] == cold[3] == status, (code, cold, warm)
+        assert warm[4].splitlines()[-1] == cold[4].splitlines()[-1], (cold[4], warm[4])
+
+
+def test_a_warm_peer_entry_point_prints_what_a_fresh_one_does():
+    """``python -m peers.run_peer --help`` forked from the zygote: the same text and exit code as a fresh one."""
+    outs = []
+    for warm in (False, True):
+        proc = Proc([sys.executable, "-m", "peers.run_peer", "--help"], warm=warm)
+        try:
+            assert proc.wait(timeout=60) == 0
+            outs.append((proc.stdout_lines, proc.stderr))
+        finally:
+            proc.kill_group()
+    assert outs[0] == outs[1] and "run_peer" in "\n".join(outs[0][0])
