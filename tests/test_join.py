@@ -170,6 +170,51 @@ def test_a_peer_is_alone_only_when_the_read_answered_and_no_mate_averages():
         assert reader.alone()
 
 
+def test_lineages_link_peers_on_one_history_whatever_their_phase():
+    from p2p_diloco.swarm.join import _lineages
+
+    s0, a1, a2 = RoundTag(0, "0" * 16), RoundTag(1, "a" * 16), RoundTag(2, "a" * 16)
+    b1, b2, c1 = RoundTag(1, "b" * 16), RoundTag(2, "b" * 16), RoundTag(1, "c" * 16)
+    found = _lineages(
+        {
+            "ahead": [s0, a1, a2],
+            "behind": [s0, a1],  # a round behind on the same history
+            "split": [s0, b1, b2],
+            "split_behind": [s0, b1],
+            "alone": [s0, c1],  # a local step: its own lineage
+        }
+    )
+    lineages = sorted(sorted(members) for members, _ in found)
+    assert lineages == [["ahead", "behind"], ["alone"], ["split", "split_behind"]]
+    assert {b1, b2, s0} == next(tags for members, tags in found if "split" in members)
+    assert len(_lineages({"only": [s0]})) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_on_the_smaller_lineage_of_a_split_moves_to_the_larger_one():
+    """Two groups formed apart from one state: the lineage more live peers hold is canonical; its peers stay, the
+    others take its furthest state the swarm offers; as many on each: the smaller checksum at the latest common
+    round, alike for every reader."""
+    cfg = load_config(TINY, ["swarm.state_quorum=1"])
+    with _three_members(cfg) as ((reader, first, second), _):
+        s0, a1, b1, b2 = (RoundTag(r, x * 16) for r, x in ((0, "0"), (1, "a"), (1, "b"), (2, "b")))
+        for member, history in ((reader, [s0, a1]), (first, [s0, b1]), (second, [s0, b1, b2])):
+            for tag in history:
+                assert member.announce(tag)
+        assert reader.canonical(a1) == b2  # 2 hold lineage b: its furthest state
+        assert first.canonical(b1) is None and second.canonical(b2) is None  # already on it
+        first.states = []  # one of b's peers moves to a: 2 against 1 the other way
+        for tag in (s0, a1):
+            assert first.announce(tag)
+        assert reader.canonical(a1) is None and first.canonical(a1) is None
+        assert second.canonical(b2) == a1
+        assert second.finish()  # its run is over: it no longer counts
+        first.states = []
+        for tag in (s0, b1):  # one on each lineage: the smaller checksum at the latest common round (1) wins
+            assert first.announce(tag)
+        assert reader.canonical(a1) is None and first.canonical(b1) == a1
+
+
 @pytest.mark.timeout(60)
 def test_a_peer_reads_that_the_swarm_has_left_it_behind_from_the_states_its_mates_vouch_for():
     """``ahead``: the furthest state state_quorum mates vouch for, when it is more than max_staleness rounds past

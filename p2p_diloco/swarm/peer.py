@@ -313,6 +313,19 @@ class TrainingPeer:
             ready_at = min(ready_at, max(now, self.worker.ends_by))
         self.members.expect_ready(ready_at, max(0.5 * pace * steps, wait))
 
+    def _heal(self) -> bool:
+        """Before a round: when the swarm holds two lineages of the outer state (a split) and ours is not the
+        canonical one (Membership.canonical), take the canonical one's state; whether we did. Not with an exchange
+        in flight (swarm.overlap eager): its round settles on our lineage first."""
+        if self.worker.in_flight:
+            return False
+        mine = self.sync.tag()
+        target = self.members.canonical(mine)
+        if target is None:
+            return False
+        log.warning("the swarm split: more peers hold the lineage of %s than ours (%s); taking it", target, mine)
+        return self.sync.take(target, "moving to the swarm's canonical lineage")
+
     def _align(self) -> None:
         """After this peer took the swarm's state (it joined, or resynced), end its next round's inner steps with its
         mates' current round (Membership.round_end), so its Δ counts in their group: a peer a few seconds late, or
@@ -336,6 +349,8 @@ class TrainingPeer:
             if self.sync.adopted:  # it joined a running swarm: its first round ends with the mates'
                 self._align()
             while worker.state.round + worker.in_flight < self.cfg.train.rounds and not self.opts.stop.is_set():
+                if self._heal():
+                    self._align()
                 started, adopted = time.perf_counter(), self.sync.adopted
                 self._settled(self.run_round(), started)
                 if self.sync.adopted != adopted:

@@ -10,7 +10,8 @@ Output:  ``serve`` (the snapshot other peers download), ``fetch(wanted)`` (the o
          that ``state_quorum`` peers, or all there are when fewer, vouch for, or our own, in pieces from its holders
          in parallel: download.py; ``fetch_vouched`` is that path without a worker, which the monitor's samples take
          too: monitor_samples.py), and what the peer does with it: ``download`` (join, resume), ``catch_up``
-         and ``resync`` (after a round, see protocol.py); ``apply_outer`` (the round's outer step, under the lock).
+         and ``resync`` (after a round, see protocol.py), ``take`` (one given state: a split's canonical lineage);
+         ``apply_outer`` (the round's outer step, under the lock).
          For rounds that fail (guard.py): ``begin_round``, ``round_ran``, ``discard_round`` and ``last_good``.
 State:   the lock that guards the worker's outer state against hivemind's state-serving thread; ``consensus``:
          whether that state came out of a complete group (or the seed, a checkpoint, a download); ``version``,
@@ -234,6 +235,15 @@ class StateSync:
         if offer is None:
             return False
         self.adopt(offer, "download")
+        return True
+
+    def take(self, wanted: RoundTag, why: str) -> bool:
+        """Take the state ``wanted`` (e.g. the canonical lineage's, Membership.canonical) if the swarm offers it; False
+        (logged) when it does not, or its download fails."""
+        offer = self.fetch(lambda tag: tag == wanted)
+        if offer is None:
+            return False
+        self.adopt(offer, why)
         return True
 
     def catch_up(self, group: RoundTag, averaged: list[torch.Tensor]) -> bool:
