@@ -3,10 +3,12 @@
 Why: a peer's imports (torch, transformers, hivemind) cost ~5 s of CPU, and the test suite starts a few hundred
 peers on two cores. A child forked from here is running its ``main`` within a fraction of a second, and is otherwise
 the process ``python -m ...`` would have been: its own session, the stdin/stdout/stderr it was handed, its argv,
-working directory and environment, fresh ``random``/numpy seeds, ``sys.path[0]`` as the interpreter would set it,
-atexit handlers and non-daemon threads run on the way out, and the exit status a fresh interpreter would give
-(``-N`` when a signal killed it, SIGINT re-raised after an uncaught KeyboardInterrupt). Forking after these imports
-is what hivemind itself does for its DHT and averager processes.
+working directory and environment, ``sys.path[0]`` as the interpreter sets it, fresh ``random``/numpy seeds, its own
+multiprocessing locks where the imports made process-shared ones (``_shared_locks``: without this, a peer
+SIGKILLed while holding one of hivemind's blocked every later peer), atexit handlers and non-daemon threads run on
+the way out, and the exit status a fresh interpreter gives (``-N`` when a signal killed it, SIGINT re-raised after
+an uncaught KeyboardInterrupt). Forking after these imports is what hivemind itself does for its DHT and averager
+processes.
 
 Inputs:  ``--fd N``: a SOCK_SEQPACKET Unix socket. Each request is one message: JSON ``{"argv", "cwd", "env"}``
          (argv without the interpreter: ``["-m", module, ...]``, ``["-c", code, ...]`` or ``[script, ...]``) with
@@ -39,14 +41,57 @@ PRELOAD = ("peers.run_peer", "peers.run_bootstrap", "peers.run_monitor")
 MAX_MESSAGE = 1 << 20  # bytes of one request: argv and environment
 
 
-def _preload() -> None:
+def _preload() -> list[tuple[object, str]]:
     """Import what the peers import, then forget the entry modules themselves: runpy runs each anew as
-    ``__main__`` (an entry module already in sys.modules would make it warn and run a second copy)."""
+    ``__main__`` (an entry module already in sys.modules would make it warn and run a second copy). Returns where the
+    imports left a process-shared lock (``_shared_locks``)."""
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
         del sys.modules[name]
+    return _shared_locks()
+
+
+def _shared_locks() -> list[tuple[object, str]]:
+    """(owner, attribute) of every multiprocessing lock a module or one of its classes made at import. Such a lock
+    is one semaphore for every process forked from here: a peer SIGKILLed while holding one would block every other
+    peer that takes it (hivemind's MPFuture and SharedBytes locks, measured: peers' DHT nodes stopped starting after
+    a while), where fresh interpreters each make their own. Each child gets new ones (``_fresh_locks``). Any other
+    process-shared primitive made at import has no safe copy: the zygote refuses to start."""
+    import multiprocessing.synchronize as sync
+    import warnings
+
+    found = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading some modules' attributes warns (deprecated aliases)
+        for name, module in list(sys.modules.items()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            owners = [(module, namespace)] + [
+                (value, vars(value))
+                for value in list(namespace.values())
+                if isinstance(value, type) and value.__module__ == name
+            ]
+            for owner, attributes in owners:
+                for attribute, value in list(attributes.items()):
+                    if isinstance(value, sync.Lock | sync.RLock):
+                        found.append((owner, attribute))
+                    elif isinstance(value, sync.SemLock | sync.Event | sync.Condition | sync.Barrier):
+                        raise RuntimeError(
+                            f"{name}.{attribute} is a process-shared {type(value).__name__} made at import: forked "
+                            "peers would share it; scripts/zygote.py cannot give each its own"
+                        )
+    return found
+
+
+def _fresh_locks(locks: list[tuple[object, str]]) -> None:
+    """A new lock of the same kind in place of each one ``_shared_locks`` found (in a forked child)."""
+    import multiprocessing
+
+    for owner, attribute in locks:
+        setattr(owner, attribute, type(getattr(owner, attribute))(ctx=multiprocessing.get_context()))
 
 
 def _exit_status(status: int) -> int:
@@ -102,7 +147,7 @@ def _finish(code: int) -> None:
     os._exit(code & 0xFF)
 
 
-def _become_child(request: dict, fds: list[int]) -> None:
+def _become_child(request: dict, fds: list[int], locks: list[tuple[object, str]]) -> None:
     """In the forked process (the server's own descriptors closed): the requested session, stdio, directory,
     environment and seeds; then run."""
     os.setsid()
@@ -114,6 +159,7 @@ def _become_child(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    _fresh_locks(locks)
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -122,8 +168,8 @@ def _become_child(request: dict, fds: list[int]) -> None:
     _finish(_child_main(request))
 
 
-def serve(sock: socket.socket) -> None:
-    """Answer requests until the socket closes; report each child's exit."""
+def serve(sock: socket.socket, locks: list[tuple[object, str]]) -> None:
+    """Answer requests until the socket closes; report each child's exit. ``locks``: what each child makes anew."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
@@ -167,7 +213,7 @@ def serve(sock: socket.socket) -> None:
                 sock.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _become_child(request, fds)
+                _become_child(request, fds, locks)
             for fd in fds:
                 os.close(fd)
             sock.send(json.dumps({"pid": pid}).encode())
@@ -190,9 +236,9 @@ def main() -> None:
     parser.add_argument("--fd", type=int, required=True, help="the SOCK_SEQPACKET socket to serve")
     args = parser.parse_args()
     sock = socket.socket(fileno=args.fd)
-    _preload()
+    locks = _preload()
     try:
-        serve(sock)
+        serve(sock, locks)
     except (BrokenPipeError, ConnectionResetError):
         pass
 

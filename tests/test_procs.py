@@ -146,3 +146,20 @@ def test_a_warm_peer_entry_point_prints_what_a_fresh_one_does():
         finally:
             proc.kill_group()
     assert outs[0] == outs[1] and "run_peer" in "\n".join(outs[0][0])
+
+
+def test_a_warm_child_killed_holding_an_imported_lock_does_not_block_its_siblings():
+    """hivemind makes multiprocessing locks at import (MPFuture's, SharedBytes'); forked from one zygote, every
+    peer would share them, and one SIGKILLed while holding one would block the rest for good (seen: peers' DHT nodes
+    stopped starting). Each warm child gets its own, as a fresh interpreter does."""
+    take = "from hivemind.utils.mpfuture import MPFuture; print(MPFuture._update_lock.acquire(timeout=10), flush=True)"
+    holder = Proc([sys.executable, "-c", take + "; import time; time.sleep(60)"], warm=True)
+    try:
+        assert holder.next_line(timeout=60) == "True"
+    finally:
+        holder.kill_group()  # SIGKILL while it holds the lock
+    sibling = Proc([sys.executable, "-c", take], warm=True)
+    try:
+        assert sibling.next_line(timeout=60) == "True", sibling.describe()
+    finally:
+        sibling.kill_group()
