@@ -170,26 +170,6 @@ def test_a_peer_is_alone_only_when_the_read_answered_and_no_mate_averages():
         assert reader.alone()
 
 
-def test_lineages_link_peers_on_one_history_whatever_their_phase():
-    from p2p_diloco.swarm.join import _lineages
-
-    s0, a1, a2 = RoundTag(0, "0" * 16), RoundTag(1, "a" * 16), RoundTag(2, "a" * 16)
-    b1, b2, c1 = RoundTag(1, "b" * 16), RoundTag(2, "b" * 16), RoundTag(1, "c" * 16)
-    found = _lineages(
-        {
-            "ahead": [s0, a1, a2],
-            "behind": [s0, a1],  # a round behind on the same history
-            "split": [s0, b1, b2],
-            "split_behind": [s0, b1],
-            "alone": [s0, c1],  # a local step: its own lineage
-        }
-    )
-    lineages = sorted(sorted(members) for members, _ in found)
-    assert lineages == [["ahead", "behind"], ["alone"], ["split", "split_behind"]]
-    assert {b1, b2, s0} == next(tags for members, tags in found if "split" in members)
-    assert len(_lineages({"only": [s0]})) == 1
-
-
 @pytest.mark.timeout(60)
 def test_a_peer_on_the_smaller_lineage_of_a_split_moves_to_the_larger_one():
     """Two groups formed apart from one state: the lineage more live peers hold is canonical; its peers stay, the

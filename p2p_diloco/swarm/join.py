@@ -41,6 +41,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.engine import Worker
 from p2p_diloco.fingerprint import fingerprint_differences
 from p2p_diloco.protocol import RoundTag
+from p2p_diloco.swarm import lineage
 from p2p_diloco.swarm.dht import SwarmSetupError, bounded
 from p2p_diloco.swarm.identity import Identity, signer_of
 from p2p_diloco.swarm.sync import StateSync, Vouches
@@ -355,38 +356,23 @@ class Membership(Announcements):
         )
 
     def canonical(self, mine: RoundTag) -> RoundTag | None:
-        """The state to move to when the swarm holds two or more lineages of the outer state and ours is not the
-        canonical one; else None. Two peers are on one lineage when the state one holds is among the other's recent
-        tags (one is some rounds behind the other on the same history); a split (groups that formed apart from one
-        state) makes lineages that share no recent tag. Canonical: the lineage the most live peers with our settings
-        hold (us included); between lineages as many hold, the one whose state at the latest round all of them
-        reached has the smallest checksum, which every peer reading the same announcements picks alike. Its furthest
-        state that the swarm offers (``swarm.state_quorum`` vouch for it and a live peer holds it) is the one to take;
-        None when it offers none of that lineage's states. Measured before this rule: 16 peers split at round 1 ran
-        two lineages side by side for five rounds."""
+        """The state to move to when the live peers with our settings (us included) hold two or more lineages of the
+        outer state and ours is not the canonical one (lineage.py); else None. The canonical lineage's furthest state
+        that the swarm offers (``swarm.state_quorum`` vouch for it and a live peer holds it) is the one to take; None
+        when it offers none of that lineage's states. Measured before this rule: 16 peers split at round 1 ran two
+        lineages side by side for five rounds."""
         histories = {
             peer: _tags_of(v)
             for peer, v in self.others().items()
             if v.get("fingerprint") == self.fingerprint and _averages(v)
         }
-        histories = {peer: tags for peer, tags in histories.items() if tags}
-        if not histories:
+        if not any(histories.values()):
             return None
-        ours = list(self.states) if self.states and self.states[-1] == mine else [mine]
-        histories[self.peer_id] = ours
-        lineages = _lineages(histories)
-        standing = max(len(members) for members, _ in lineages)
-        leaders = [lineage for lineage in lineages if len(lineage[0]) == standing]
-        if len(leaders) > 1:
-            common = min(max(t.round for t in tags) for _, tags in leaders)
-            at_common = [min((t.checksum for t in tags if t.round == common), default=None) for _, tags in leaders]
-            if any(c is None for c in at_common):
-                return None  # too far apart to compare: no move
-            leaders = [min(zip(at_common, leaders, strict=True), key=lambda item: item[0])[1]]
-        members, tags = leaders[0]
-        if self.peer_id in members:
+        histories[self.peer_id] = list(self.states) if self.states and self.states[-1] == mine else [mine]
+        chosen = lineage.canonical(histories)
+        if chosen is None or self.peer_id in chosen[0]:
             return None
-        offered = [tag for tag, _ in self.vouches().offers(self.cfg.swarm.state_quorum, None) if tag in tags]
+        offered = [tag for tag, _ in self.vouches().offers(self.cfg.swarm.state_quorum, None) if tag in chosen[1]]
         return offered[0] if offered else None  # offers come furthest first
 
     def reachable_members(self) -> int:
@@ -415,30 +401,6 @@ def _averages(announcement: dict) -> bool:
     """Whether the announcing peer still comes to matchmakings: it refreshed its announcement lately (``live``) and
     its run is not over (``done``: it may linger as a donor, but looks for no group)."""
     return bool(announcement.get("live")) and not announcement.get("done")
-
-
-def _lineages(histories: dict[str, list[RoundTag]]) -> list[tuple[set[str], set[RoundTag]]]:
-    """Peers by lineage: (the peers, every tag in their histories) for each group of peers linked by one holding a
-    state (the last tag of its history) that is in the other's history."""
-    peers = list(histories)
-    root = {peer: peer for peer in peers}
-
-    def find(peer: str) -> str:
-        while root[peer] != peer:
-            root[peer] = root[root[peer]]
-            peer = root[peer]
-        return peer
-
-    for i, a in enumerate(peers):
-        for b in peers[i + 1 :]:
-            if histories[a][-1] in histories[b] or histories[b][-1] in histories[a]:
-                root[find(a)] = find(b)
-    out: dict[str, tuple[set[str], set[RoundTag]]] = {}
-    for peer in peers:
-        members, tags = out.setdefault(find(peer), (set(), set()))
-        members.add(peer)
-        tags.update(histories[peer])
-    return list(out.values())
 
 
 def _tags_of(announcement: dict) -> list[RoundTag]:

@@ -1,0 +1,64 @@
+"""Which lineage of the outer state a split swarm should keep: pure, from the tags peers announce.
+
+Inputs:  each peer's recent tags, oldest first, the last one the state it holds now (join.py reads them from the
+         signed announcements of the live peers with our settings, ours included).
+Output:  ``lineages``: the peers grouped by lineage, with every tag their histories hold; ``canonical``: the lineage
+         to keep (its peers and tags), or None when there is no telling.
+State:   none.
+Failure: none: empty input gives no lineage.
+
+Two peers are on one lineage when the state one holds is among the other's recent tags (one is some rounds behind
+the other on the same history). Groups that formed apart from one state (a split) make lineages that share no recent
+tag. Canonical: the lineage the most peers hold; between lineages as many hold, the one whose state at the latest
+round all of them reached has the smallest checksum, which every peer reading the same announcements picks alike
+(None when one of them holds no tag of that round: too far apart to compare). It counts peers' keys, not the
+standing the swarm observed from them: docs/trust.md says what that allows.
+"""
+
+from __future__ import annotations
+
+from p2p_diloco.protocol import RoundTag
+
+__all__ = ["Lineage", "canonical", "lineages"]
+
+Lineage = tuple[set[str], set[RoundTag]]  # its peers, every tag in their histories
+
+
+def lineages(histories: dict[str, list[RoundTag]]) -> list[Lineage]:
+    """The peers of ``histories`` (peer -> its recent tags, the last the state it holds; none empty) by lineage."""
+    peers = list(histories)
+    root = {peer: peer for peer in peers}
+
+    def find(peer: str) -> str:
+        while root[peer] != peer:
+            root[peer] = root[root[peer]]
+            peer = root[peer]
+        return peer
+
+    for i, a in enumerate(peers):
+        for b in peers[i + 1 :]:
+            if histories[a][-1] in histories[b] or histories[b][-1] in histories[a]:
+                root[find(a)] = find(b)
+    out: dict[str, Lineage] = {}
+    for peer in peers:
+        members, tags = out.setdefault(find(peer), (set(), set()))
+        members.add(peer)
+        tags.update(histories[peer])
+    return list(out.values())
+
+
+def canonical(histories: dict[str, list[RoundTag]]) -> Lineage | None:
+    """The lineage to keep among those of ``histories`` (see the module docstring); None when there is none or the
+    tied ones cannot be compared."""
+    found = lineages({peer: tags for peer, tags in histories.items() if tags})
+    if not found:
+        return None
+    most = max(len(members) for members, _ in found)
+    tied = [lineage for lineage in found if len(lineage[0]) == most]
+    if len(tied) == 1:
+        return tied[0]
+    common = min(max(tag.round for tag in tags) for _, tags in tied)
+    at_common = [min((tag.checksum for tag in tags if tag.round == common), default=None) for _, tags in tied]
+    if any(checksum is None for checksum in at_common):
+        return None
+    return min(zip(at_common, tied, strict=True), key=lambda item: item[0])[1]

@@ -1,0 +1,34 @@
+"""swarm/lineage.py: peers on one history whatever their phase, a split's lineages, and which one is kept."""
+
+from p2p_diloco.protocol import RoundTag
+from p2p_diloco.swarm.lineage import canonical, lineages
+
+S0 = RoundTag(0, "0" * 16)
+A1, A2 = RoundTag(1, "a" * 16), RoundTag(2, "a" * 16)
+B1, B2 = RoundTag(1, "b" * 16), RoundTag(2, "b" * 16)
+C1 = RoundTag(1, "c" * 16)
+
+
+def test_peers_on_one_history_are_one_lineage_whatever_their_phase():
+    found = lineages(
+        {
+            "ahead": [S0, A1, A2],
+            "behind": [S0, A1],  # a round behind on the same history
+            "split": [S0, B1, B2],
+            "split_behind": [S0, B1],
+            "alone": [S0, C1],  # a local step: a lineage of its own
+        }
+    )
+    by_lineage = sorted(sorted(members) for members, _ in found)
+    assert by_lineage == [["ahead", "behind"], ["alone"], ["split", "split_behind"]]
+    assert next(tags for members, tags in found if "split" in members) == {S0, B1, B2}
+    assert len(lineages({"p": [S0], "q": [S0]})) == 1
+    assert lineages({}) == []
+
+
+def test_the_lineage_more_peers_hold_is_kept_and_a_tie_goes_to_the_smaller_checksum():
+    assert canonical({"p": [S0, A1], "q": [S0, B1], "r": [S0, B1, B2]})[0] == {"q", "r"}
+    assert canonical({"p": [S0, A1, A2], "q": [S0, B1]})[0] == {"p"}  # 1 and 1: a1 < b1 at round 1, both reached it
+    assert canonical({"p": [S0, B1, B2], "q": [S0, A1]})[0] == {"q"}  # whatever the order and the phase
+    assert canonical({"p": [A2], "q": [B1]}) is None  # p's history holds no round-1 tag: no telling
+    assert canonical({"p": []}) is None and canonical({}) is None
