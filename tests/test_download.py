@@ -115,13 +115,17 @@ class Asked:
 
     def __init__(self, averager: PseudoGradAverager) -> None:
         self.averager, self.pieces = averager, []
+        self.timed: list[tuple[str, int, int, bool, float]] = []  # ``pieces``, each with when it was asked
 
     def manifest(self, peer_id: str, timeout: float):
         return self.averager.manifest(peer_id, timeout)
 
     def piece(self, peer_id: str, tag, start: int, end: int, timeout: float):
+        asked_at = time.monotonic()
         got = self.averager.piece(peer_id, tag, start, end, timeout)
-        self.pieces.append((peer_id, start, end, isinstance(got, torch.Tensor)))
+        piece = (peer_id, start, end, isinstance(got, torch.Tensor))
+        self.pieces.append(piece)
+        self.timed.append((*piece, asked_at))
         return got
 
 
@@ -184,16 +188,20 @@ def test_a_donor_serving_wrong_bytes_for_one_part_is_dropped_and_the_part_comes_
 
 
 def test_a_donor_that_dies_mid_download_leaves_its_pieces_to_the_others(swarm, caplog):
+    """Its averager process is SIGKILLed as it serves its second request: no piece asked of it after that comes back,
+    and every piece it failed comes from another donor, the whole state within the deadline. (A piece it served
+    before dying may be good: under load the first request can be a piece, its manifest known from before, seen in
+    CI; the test judges by when each piece was asked, not by the order of requests.)"""
     caplog.set_level(logging.WARNING, logger="p2p_diloco.sync")
     for _ in range(3):  # under load its manifest can come too late: then it is never asked for a piece; again
         dying = Donor(swarm["donors"][0].maddrs(), swarm["state"])
         swarm["peers"].append(dying)  # shut down with the others at the end of the module
-        served: list[int] = []
+        killed: list[float] = []
 
-        def die(k: int, dying: Donor = dying, served: list[int] = served) -> None:
-            served.append(k)
-            if len(served) == 2:  # the first piece it serves (the first call may be its manifest): SIGKILL its
-                os.kill(dying.averager.pid, signal.SIGKILL)  # averager process while the piece is on its way
+        def die(k: int, dying: Donor = dying, killed: list[float] = killed) -> None:
+            if k == 2:  # its second request (the first may be its manifest): SIGKILL its averager process while
+                killed.append(time.monotonic())  # the answer is on its way
+                os.kill(dying.averager.pid, signal.SIGKILL)
                 time.sleep(0.5)
 
         swarm["newcomer"].averager.manifest(dying.peer_id, 10.0)  # the newcomer's p2pd learns its address
@@ -202,13 +210,14 @@ def test_a_donor_that_dies_mid_download_leaves_its_pieces_to_the_others(swarm, c
         started = time.monotonic()
         asked = _download(swarm, [dying, *swarm["donors"][:2]], timeout=40.0)
         assert time.monotonic() - started < 30.0
-        theirs = [(s, e) for d, s, e, ok in asked.pieces if d == dying.peer_id]
-        if theirs:
+        failed = [(s, e) for d, s, e, ok in asked.pieces if d == dying.peer_id and not ok]
+        if failed and killed:
             break
     else:
-        pytest.fail("the dying donor was never asked for a piece in 3 downloads")
-    assert not any(ok for d, *_, ok in asked.pieces if d == dying.peer_id and len(served) >= 2)
-    for s, e in theirs:  # every piece it was asked for came from another donor
+        pytest.fail("the dying donor never failed a piece in 3 downloads (never asked for one after it died)")
+    after = [ok for d, _, _, ok, at in asked.timed if d == dying.peer_id and at > killed[0]]
+    assert not any(after), asked.pieces  # nothing comes from a dead donor
+    for s, e in failed:  # every piece it failed came from another donor
         assert any(d != dying.peer_id and (s2, e2) == (s, e) and ok for d, s2, e2, ok in asked.pieces)
     lines = [r.getMessage() for r in caplog.records]
     assert any(dying.peer_id[-8:] in line for line in lines), lines

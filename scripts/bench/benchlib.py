@@ -45,6 +45,10 @@ if str(ROOT) not in sys.path:
 from scripts import procs  # noqa: E402
 from scripts.procs import descendants  # noqa: E402
 
+# benchmarks measure peers as users start them, fresh interpreters (memory, start-up and join times), also when a
+# test that runs a benchmark's smoke mode has turned the tests' warm start on (scripts/zygote.py)
+os.environ[procs.WARM_START_VARIABLE] = "0"
+
 __all__ = [
     "BENCH_DIR",
     "ROOT",
