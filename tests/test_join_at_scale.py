@@ -14,11 +14,12 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 def test_four_newcomers_at_once_all_hold_the_swarm_state_before_their_first_step(spawn, tmp_path):
     # long enough a run for four start-ups at once on a busy machine; the test stops once they have joined
-    sets = ["train.rounds=400", "swarm.target_group_size=6", "swarm.linger_seconds=10"]
+    # start_peers: the first peer trains once the second is up (alone, its rounds would be local and quick)
+    sets = ["train.rounds=400", "swarm.target_group_size=6", "swarm.linger_seconds=10", "swarm.start_peers=2"]
     first = start_peer(spawn, [], tmp_path / "a", *sets)
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
     second = start_peer(spawn, initial.split(), tmp_path / "b", *sets)
-    second.wait_for_line(r"^round [2-9]/400 ", timeout=120)
+    second.wait_for_line(r"^round [2-9]/400 ", timeout=120)  # both train
     newcomers = [start_peer(spawn, initial.split(), tmp_path / f"new{k}", *sets) for k in range(4)]
     joined = []
     for peer in newcomers:

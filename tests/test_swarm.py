@@ -271,6 +271,7 @@ def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path
     # joiner's first exchange goes out while nothing is in flight yet.
     sets = ["train.rounds=30", "swarm.target_group_size=3", "swarm.linger_seconds=10"]
     sets += ["swarm.overlap=eager", "swarm.overlap_steps=2"]
+    sets += ["swarm.start_peers=2"]  # the first peer trains once the second is up (alone, its rounds would be quick)
     first = start_peer(spawn, [], tmp_path / "a", *sets)
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
     second = start_peer(spawn, initial.split(), tmp_path / "b", *sets)

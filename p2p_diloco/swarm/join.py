@@ -86,6 +86,9 @@ class Announcements:
         self.fingerprint, self.authorized = fingerprint, authorized
         self.key = f"{cfg.swarm.run_id}_fingerprint"
         self.timeout = cfg.swarm.dht_timeout
+        # mates with our settings read as averaging (live, not done) -> when (monotonic), by any read; one read as
+        # gone (not live, or done) is dropped, one missing from a read is kept: a read can come back partial
+        self._averaging_seen: dict[str, float] = {}
 
     def others(self) -> dict[str, dict]:
         """Announcements of the other peers of this run by peer id, whatever their settings ({} when the DHT does
@@ -116,6 +119,13 @@ class Announcements:
             if self.authorized is None or peer in self.authorized:
                 expires = getattr(item, "expiration_time", 0.0)
                 out[peer] = {**announcement, "live": isinstance(expires, float) and expires >= announced_after}
+        now = time.monotonic()
+        for peer, v in out.items():
+            if peer != self.peer_id and v.get("fingerprint") == self.fingerprint:
+                if _averages(v):
+                    self._averaging_seen[peer] = now
+                else:
+                    self._averaging_seen.pop(peer, None)
         return out
 
     def mates(self) -> list[dict]:
@@ -345,15 +355,15 @@ class Membership(Announcements):
 
     def alone(self) -> bool:
         """Whether we are sure to be the only peer of the run that still averages: the run's members were read (the
-        answer holds our own announcement, so the DHT did answer) and no other peer with our settings in it is live
-        and not done. A round then is local at once, instead of a matchmaking with nobody (measured: ~11 s a round
-        with swarm.matchmaking_time=4). False when not sure: an unanswered read is not "nobody"."""
+        answer holds our own announcement, so the DHT did answer), and every peer with our settings that any read
+        showed averaging within the last LIVE seconds has since read as gone (not live, or done). A round then is
+        local at once, instead of a matchmaking with nobody (measured: ~11 s a round with swarm.matchmaking_time=4).
+        False when not sure: an unanswered read is not "nobody", nor is a mate missing from one read."""
         everyone = self._everyone()
         if everyone is None or self.peer_id not in everyone:
             return False
-        return not any(
-            v.get("fingerprint") == self.fingerprint and _averages(v) for p, v in everyone.items() if p != self.peer_id
-        )
+        horizon = time.monotonic() - self.LIVE
+        return not any(seen > horizon for seen in list(self._averaging_seen.values()))
 
     def canonical(self, mine: RoundTag) -> RoundTag | None:
         """The state to move to when the live peers with our settings (us included) hold two or more lineages of the
