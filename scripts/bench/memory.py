@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         f"swarm.run_id=mem{uuid.uuid4().hex[:8]}",
         "swarm.target_group_size=2",
         "swarm.min_group_size=2",
+        "swarm.start_peers=2",  # round 1 once both are up: a peer alone trains locally, and a smoke run is short
         "swarm.matchmaking_time=30",
         "swarm.request_timeout=5",
         "swarm.allreduce_timeout=120",
