@@ -132,12 +132,13 @@ class Announcements:
         """Announcements of the other peers that share our fingerprint (they can average with us)."""
         return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
 
-    def vouches(self) -> Vouches:
+    def vouches(self, others: dict[str, dict] | None = None) -> Vouches:
         """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch).
         A peer that left (its announcement not refreshed within LIVE seconds) still vouches for what it held, but
-        is neither a donor nor one of the peers the quorum is taken over."""
+        is neither a donor nor one of the peers the quorum is taken over. ``others``: a read of ``others()`` to use
+        instead of reading the DHT again."""
         out = Vouches()
-        for peer, announcement in self.others().items():
+        for peer, announcement in (self.others() if others is None else others).items():
             if announcement.get("fingerprint") != self.fingerprint:
                 continue
             tags = _tags_of(announcement)
@@ -371,10 +372,9 @@ class Membership(Announcements):
         that the swarm offers (``swarm.state_quorum`` vouch for it and a live peer holds it) is the one to take; None
         when it offers none of that lineage's states. Measured before this rule: 16 peers split at round 1 ran two
         lineages side by side for five rounds."""
+        others = self.others()
         histories = {
-            peer: _tags_of(v)
-            for peer, v in self.others().items()
-            if v.get("fingerprint") == self.fingerprint and _averages(v)
+            peer: _tags_of(v) for peer, v in others.items() if v.get("fingerprint") == self.fingerprint and _averages(v)
         }
         if not any(histories.values()):
             return None
@@ -382,7 +382,8 @@ class Membership(Announcements):
         chosen = lineage.canonical(histories)
         if chosen is None or self.peer_id in chosen[0]:
             return None
-        offered = [tag for tag, _ in self.vouches().offers(self.cfg.swarm.state_quorum, None) if tag in chosen[1]]
+        offers = self.vouches(others).offers(self.cfg.swarm.state_quorum, None)  # the same read, not a second one
+        offered = [tag for tag, _ in offers if tag in chosen[1]]
         return offered[0] if offered else None  # offers come furthest first
 
     def reachable_members(self) -> int:
