@@ -19,6 +19,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
@@ -26,14 +27,18 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from test_records import record
 
+from p2p_diloco.swarm import validators
 from p2p_diloco.swarm.dht import parse_initial_peers, shutdown_dht, start_dht, visible_maddrs, wait_for_peers
 from p2p_diloco.swarm.identity import owner_of, peer_id_of
 from p2p_diloco.swarm.records import metrics_key, parse_records, publish_record, read_records
 from p2p_diloco.swarm.validators import (
     MAX_VALUE_BYTES,
     CheckedOnce,
+    CheckedSchema,
     MetricsBounds,
     RecordGuard,
+    Verdicts,
+    _RunSchema,
     fingerprint_key,
     make_validators,
     owner_subkey,
@@ -72,8 +77,10 @@ def honest(signer: RSASignatureValidator, step: int = 1, **changes) -> dict:
 # ----------------------------------------------------------------------------------------- unit
 
 
-def test_checked_once_gives_the_signature_verdict_and_verifies_a_record_once(monkeypatch) -> None:
-    writer, reader = CheckedOnce(RSAPrivateKey()), CheckedOnce(RSAPrivateKey())
+def test_checked_once_gives_the_signature_verdict_and_verifies_a_record_once_per_process(monkeypatch) -> None:
+    monkeypatch.setattr(validators, "VERDICTS", Verdicts(memory=3))
+    writer = CheckedOnce(RSAPrivateKey())
+    reader, other_node = CheckedOnce(RSAPrivateKey()), CheckedOnce(RSAPrivateKey())  # two DHT nodes of one process
     key = fingerprint_key(RUN)
     good = dht_record(key, writer.local_public_key, FINGERPRINT, signer=writer)
     forged = DHTRecord(good.key, good.subkey, good.value.replace(b"f00d", b"beef", 1), good.expiration_time)
@@ -81,13 +88,31 @@ def test_checked_once_gives_the_signature_verdict_and_verifies_a_record_once(mon
     verified = []
     original = RSASignatureValidator.validate
     monkeypatch.setattr(RSASignatureValidator, "validate", lambda self, r: verified.append(r) or original(self, r))
-    verdicts = [reader.validate(r) for r in (good, good, forged, forged, later, good)]
+    asked = zip([reader, other_node] * 3, (good, good, forged, forged, later, good), strict=True)
+    verdicts = [node.validate(r) for node, r in asked]
     assert verdicts == [True, True, False, False, True, True]
-    assert verified == [good, forged, later]  # each distinct record once; its expiration is part of it
-    monkeypatch.setattr(CheckedOnce, "MEMORY", 2)
+    assert verified == [good, forged, later]  # each distinct record once in the process; its expiration is part of it
     reader.validate(dht_record(key, writer.local_public_key, {**FINGERPRINT, "round": 4}, signer=writer))
-    kept = [reader.digest(r) in reader._verdicts for r in (good, forged, later)]
-    assert len(reader._verdicts) == 2 and kept == [True, False, False]  # the least recently seen go first
+    kept = [reader.digest(r) in validators.VERDICTS for r in (good, forged, later)]
+    assert len(validators.VERDICTS) == 3 and kept == [True, False, True]  # the least recently asked go first
+
+
+def test_schema_and_guard_verdicts_are_hivemind_s_and_remembered_per_content(monkeypatch) -> None:
+    monkeypatch.setattr(validators, "VERDICTS", Verdicts(memory=64))
+    signer = RSASignatureValidator(RSAPrivateKey())
+    plain, checked = SchemaValidator(_RunSchema, prefix=RUN), CheckedSchema(_RunSchema, prefix=RUN)
+    good = dht_record(fingerprint_key(RUN), signer.local_public_key, FINGERPRINT)
+    loose = dht_record(fingerprint_key(RUN), signer.local_public_key, {**FINGERPRINT, "round": 3.0})  # a float
+    later = DHTRecord(good.key, good.subkey, good.value, good.expiration_time + 30)  # a heartbeat: same content
+    other = dht_record(PLAIN, "s", 1)  # a key the schema does not know: allowed, nothing remembered
+    for rec in (good, loose, other):
+        assert checked.validate(rec) == plain.validate(rec)
+    assert [checked.validate(good), checked.validate(loose)] == [True, False]
+    assert checked.validate(later) and validators.VERDICTS.hits == 3  # good, loose and the heartbeat's good
+    guard = RecordGuard()
+    bad = dht_record(PLAIN, "evil", None, raw_value=b"\xc1")
+    assert [guard.validate(r) for r in (good, bad, good, bad)] == [True, False, True, False]
+    assert validators.VERDICTS.hits == 5 and validators.VERDICTS.misses == 4
 
 
 @pytest.mark.timeout(30)

@@ -7,11 +7,13 @@ Output:  ``make_validators(run_id, identity)`` -> the list to give ``start_dht(r
            CheckedOnce            signed subkeys (``[owner:<key>]``) writable only by their key (priority 10;
                                   hivemind's RSASignatureValidator, each record's verdict remembered)
            RecordGuard            every key, hivemind's own included (priority 20, so it sees the raw value)
-           SchemaValidator        ``{run_id}_metrics`` and ``{run_id}_fingerprint`` (pydantic.v1, strict types)
+           CheckedSchema          ``{run_id}_metrics`` and ``{run_id}_fingerprint`` (hivemind's SchemaValidator:
+                                  pydantic.v1, strict types; each record's verdict remembered)
            MetricsBounds          ``{run_id}_metrics``: the record is its signer's, with sane numbers (priority -10)
          ``owner_subkey(public_key)`` is the subkey a node signs its records with.
-State:   the signing key and CheckedOnce's last verdicts; validators are pure functions of the record and the clock
-         (``get_dht_time``).
+State:   the signing key; ``VERDICTS``, the last verdicts of the pure checks (signature, guard, schema), one memory
+         for every DHT node of the process (a peer runs one; the scale harness 16). MetricsBounds reads the clock
+         (``get_dht_time``) and is asked every time.
 Failure: ``validate`` never raises: a record it cannot parse is refused (False). A refused store makes
          ``DHT.store`` return False on the writer; a refused record in a lookup answer makes the reader drop that
          node's whole answer for the key (hivemind stops at the first bad subkey) and keep the other nodes'.
@@ -45,8 +47,9 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pydantic.v1 as pydantic_v1
@@ -71,7 +74,9 @@ __all__ = [
     "MAX_STEP",
     "MAX_STATES",
     "States",
+    "VERDICTS",
     "CheckedOnce",
+    "CheckedSchema",
     "RecordGuard",
     "MetricsBounds",
     "fingerprint_key",
@@ -91,6 +96,56 @@ MAX_COUNT = 2**62  # tokens, bytes, group size
 _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 _SIGNATURE_RE = re.compile(re.escape(RSASignatureValidator.SIGNATURE_FORMAT).replace(b"_value_", rb"(.+?)"))
 _SIGNATURE_TEXT = RSASignatureValidator.SIGNATURE_FORMAT.split(b"_value_")[0]  # b"[signature:"
+
+
+class Verdicts:
+    """The last ``memory`` verdicts of pure record checks, by a digest of what each check reads (its name in front), for
+    every DHT node of this process: each lookup of the run's members brings back every peer's announcement from each
+    node it asks, unchanged until that peer announces again, and every node of the process checked each anew (at 32
+    peers in the scale harness, 16 nodes a process, the checks took ~40% of a host's CPU, py-spy). A stranger's flood
+    of distinct records costs at most ``memory`` digests here. Thread-safe: the nodes' event loops run in threads."""
+
+    def __init__(self, memory: int) -> None:
+        self.memory = memory
+        self.hits = self.misses = 0
+        self._seen: OrderedDict[bytes, bool] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def verdict(self, digest: bytes, check: Callable[[], bool]) -> bool:
+        """The remembered verdict for ``digest``, else ``check()``'s (remembered; the least recently asked go first)."""
+        with self._lock:
+            known = self._seen.get(digest)
+            if known is not None:
+                self._seen.move_to_end(digest)
+                self.hits += 1
+                return known
+            self.misses += 1
+        verdict = bool(check())
+        with self._lock:
+            self._seen[digest] = verdict
+            while len(self._seen) > self.memory:
+                self._seen.popitem(last=False)
+        return verdict
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest in self._seen
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._seen)
+
+
+VERDICTS = Verdicts(16384)
+
+
+def _content_digest(check: bytes, record: DHTRecord) -> bytes:
+    """What a check of key, subkey and value (not the expiration) reads, as a VERDICTS key."""
+    h = hashlib.sha256(check)
+    for part in (record.key, record.subkey, record.value):
+        data = part if isinstance(part, bytes) else repr(part).encode()
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.digest()
 
 
 def fingerprint_key(run_id: str) -> str:
@@ -139,6 +194,9 @@ class RecordGuard(RecordValidatorBase):
         return None
 
     def validate(self, record: DHTRecord) -> bool:
+        return VERDICTS.verdict(_content_digest(b"guard", record), lambda: self._acceptable(record))
+
+    def _acceptable(self, record: DHTRecord) -> bool:
         try:
             return self.reason(record) is None
         except Exception:  # noqa: BLE001 - never raise inside the DHT
@@ -300,32 +358,41 @@ def _run_ids(run_id: str | Sequence[str]) -> list[str]:
 
 
 class CheckedOnce(RSASignatureValidator):
-    """hivemind's RSASignatureValidator that remembers its last MEMORY verdicts. Every lookup of the run's members
-    brings back every peer's signed announcement from each node it asks, unchanged until that peer announces again,
-    and each was verified anew: at 32 peers in the scale harness 73% of a host's CPU went to RSA verification
-    (py-spy), which starved the DHT until its lookups timed out. A verdict is a pure function of the record's bytes
-    (key, subkey, value with its signature, expiration); their SHA-256 is its cache key, so a stranger's flood of
-    distinct large records costs at most MEMORY x 32 bytes here, not MEMORY values."""
-
-    MEMORY = 8192
-
-    def __init__(self, private_key: RSAPrivateKey | None = None) -> None:
-        super().__init__(private_key)
-        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
+    """hivemind's RSASignatureValidator whose verdicts VERDICTS remembers. A verdict is a pure function of the bytes
+    hivemind signs (key, subkey, value with its signature, expiration), whoever checks it; their SHA-256 is the key.
+    Before the memory, at 32 peers in the scale harness 73% of a host's CPU went to RSA verification (py-spy), which
+    starved the DHT until its lookups timed out."""
 
     def digest(self, record: DHTRecord) -> bytes:
-        return hashlib.sha256(self._serialize_record(record)).digest()  # the bytes hivemind signs, the same tuple
+        return hashlib.sha256(b"signature" + self._serialize_record(record)).digest()  # the tuple hivemind signs
 
     def validate(self, record: DHTRecord) -> bool:
-        seen = self.digest(record)
-        verdict = self._verdicts.get(seen)
-        if verdict is None:
-            verdict = self._verdicts[seen] = super().validate(record)
-            while len(self._verdicts) > self.MEMORY:
-                self._verdicts.popitem(last=False)
-        else:
-            self._verdicts.move_to_end(seen)
-        return verdict
+        return VERDICTS.verdict(self.digest(record), lambda: super(CheckedOnce, self).validate(record))
+
+
+class CheckedSchema(SchemaValidator):
+    """hivemind's SchemaValidator whose verdicts VERDICTS remembers: a pure function of the record's key, subkey and
+    value, and of the schemas and key names this validator holds (merged ones included; ``merge_with``)."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._key_id_to_field_name:
+            return self._allow_extra_keys  # another key: nothing to parse
+        return VERDICTS.verdict(
+            _content_digest(self._identity(), record), lambda: super(CheckedSchema, self).validate(record)
+        )
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        merged = super().merge_with(other)
+        self.__dict__.pop("_identity_bytes", None)
+        return merged
+
+    def _identity(self) -> bytes:
+        """What this validator's verdicts depend on beyond the record: its schemas and key names."""
+        if "_identity_bytes" not in self.__dict__:
+            names = sorted(self._key_id_to_field_name.items())
+            schemas = [f"{s.__module__}.{s.__qualname__}:{id(s)}" for s in self._schemas]
+            self._identity_bytes = repr(("schema", schemas, names, self._allow_extra_keys)).encode()
+        return self._identity_bytes
 
 
 def make_validators(run_id: str | Sequence[str], identity: Identity | None = None) -> list[RecordValidatorBase]:
@@ -337,6 +404,6 @@ def make_validators(run_id: str | Sequence[str], identity: Identity | None = Non
     key = identity.key if identity is not None else RSAPrivateKey()
     found: list[RecordValidatorBase] = [CheckedOnce(key), RecordGuard()]
     for rid in _run_ids(run_id):
-        found.append(SchemaValidator(_RunSchema, allow_extra_keys=True, prefix=rid))
+        found.append(CheckedSchema(_RunSchema, allow_extra_keys=True, prefix=rid))
         found.append(MetricsBounds(rid))
     return found
