@@ -212,6 +212,34 @@ def test_a_peer_reads_that_the_swarm_has_left_it_behind_from_the_states_its_mate
         assert reader.ahead(behind) == tag and reader.ahead(tag) is None
 
 
+@pytest.mark.timeout(60)
+def test_a_heartbeat_right_after_a_store_stores_nothing_and_a_fresh_read_may_serve_again():
+    """Every stored version of an announcement is one more for every reader to verify: a heartbeat within HEARTBEAT
+    seconds of the last store (a ready_at, a round) stores nothing; one later stores it again. A read may serve the
+    questions asked at once (``others(max_age)``); a plain read always asks the DHT."""
+    cfg = load_config(TINY, [])
+    with _three_members(cfg) as ((reader, writer, _), keys):
+
+        def expiration() -> float:
+            found = reader.dht.get(reader.key, latest=True)
+            return found.value[writer.subkey].expiration_time
+
+        assert writer.announce(RoundTag(2, "e" * 16))
+        stored = expiration()
+        time.sleep(0.05)
+        writer.refresh()  # just stored: nothing to say
+        assert reader.others()[keys[1].peer_id]["round"] == 2 and expiration() == stored
+        writer._stored_at -= Membership.HEARTBEAT  # as if HEARTBEAT seconds had passed since
+        writer.refresh()
+        deadline = time.monotonic() + 20
+        while expiration() == stored and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert expiration() > stored
+        assert writer.announce(RoundTag(3, "f" * 16))
+        assert reader.others(max_age=60.0)[keys[1].peer_id]["round"] == 2  # the last read, reused
+        assert reader.others()[keys[1].peer_id]["round"] == 3  # a new one
+
+
 @contextlib.contextmanager
 def _three_members(cfg):
     """Three DHT nodes on 127.0.0.1 with a Membership each (fingerprint "fp"; nothing announced yet), and their keys."""

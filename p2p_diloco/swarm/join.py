@@ -89,16 +89,22 @@ class Announcements:
         # mates with our settings read as averaging (live, not done) -> when (monotonic), by any read; one read as
         # gone (not live, or done) is dropped, one missing from a read is kept: a read can come back partial
         self._averaging_seen: dict[str, float] = {}
+        self._last_read: tuple[float, dict[str, dict]] | None = None  # (monotonic, _everyone's answer) of the last read
 
-    def others(self) -> dict[str, dict]:
+    def others(self, max_age: float = 0.0) -> dict[str, dict]:
         """Announcements of the other peers of this run by peer id, whatever their settings ({} when the DHT does
         not answer within ``swarm.dht_timeout``). Only signed ones count, each under its signer's peer id; in a
         closed run, only those of listed peers. Each carries ``"live"``: whether it was refreshed within LIVE
-        seconds (read from its DHT expiration, assuming the run's ``swarm.record_ttl``)."""
-        return {peer: v for peer, v in (self._everyone() or {}).items() if peer != self.peer_id}
+        seconds (read from its DHT expiration, assuming the run's ``swarm.record_ttl``). ``max_age``: the last
+        answered read, if it is at most that many seconds old, instead of a new one (each read brings back every
+        peer's announcement from each node asked: at 64 peers the DHT's lookups took most of the harness's CPU)."""
+        return {peer: v for peer, v in (self._everyone(max_age) or {}).items() if peer != self.peer_id}
 
-    def _everyone(self) -> dict[str, dict] | None:
+    def _everyone(self, max_age: float = 0.0) -> dict[str, dict] | None:
         """``others()`` and our own announcement; None when the DHT did not answer in time."""
+        last = self._last_read
+        if max_age > 0.0 and last is not None and time.monotonic() - last[0] <= max_age:
+            return last[1]
         found = bounded(
             lambda: self.dht.get(self.key, latest=True, return_future=True),
             self.timeout,
@@ -126,6 +132,7 @@ class Announcements:
                     self._averaging_seen[peer] = now
                 else:
                     self._averaging_seen.pop(peer, None)
+        self._last_read = (now, out)
         return out
 
     def mates(self) -> list[dict]:
@@ -156,6 +163,9 @@ class Membership(Announcements):
 
     HISTORY = MAX_STATES  # the tags of our last states we vouch for
     HEARTBEAT = 10.0  # seconds between refreshes of our announcement while the state does not change (``refresh``)
+    # seconds a read of the members may be reused by group_window: the averager asks for the round's size
+    # (expected_members, a new read) and at once for its window, which the same read answers
+    READ_REUSE = 1.0
 
     def __init__(
         self,
@@ -183,6 +193,7 @@ class Membership(Announcements):
         self._silent: dict[str, float] = {}
         self._suspects: dict[str, float] = {}
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
+        self._stored_at = -math.inf  # when (monotonic) we last stored it
         self._lock = threading.Lock()  # announce runs in the main thread and, once a state is hashed, the hashing one
 
     def announce(self, tag: RoundTag, wait: bool = True) -> bool:
@@ -253,12 +264,15 @@ class Membership(Announcements):
         return self._store(value, wait=True)
 
     def refresh(self) -> None:
-        """Store our last announcement again (it says we are still here); called every HEARTBEAT seconds."""
-        if self._value is not None:
+        """Store our last announcement again (it says we are still here), unless we stored it within the last
+        HEARTBEAT seconds (every store says so too, and each stored version is one more for every reader to
+        verify); called every HEARTBEAT seconds."""
+        if self._value is not None and time.monotonic() - self._stored_at >= self.HEARTBEAT:
             self._store(self._value, wait=False)
 
     def _store(self, value: dict[str, Any], wait: bool) -> bool:
         expires = get_dht_time() + self.cfg.swarm.record_ttl
+        self._stored_at = time.monotonic()
 
         def store() -> Any:
             return self.dht.store(self.key, value, expires, subkey=self.subkey, return_future=True)
@@ -271,7 +285,7 @@ class Membership(Announcements):
             return True
         return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
-    def _readiness(self) -> tuple[dict[str, float | None], list[float]]:
+    def _readiness(self, max_age: float = 0.0) -> tuple[dict[str, float | None], list[float]]:
         """(the live mates this round's matchmaking expects, by peer id, when the others will be ready), as seconds
         from now until their announced ``ready_at``: expected are the ones ready now (looking for a group since at most
         ``swarm.matchmaking_time``: 0), the ones whose round ends at most ``patience`` after ours (after we began
@@ -280,11 +294,12 @@ class Membership(Announcements):
         this round is on its way; counting them out closed rounds a second before they came, measured); later is
         later. A peer our averager will not group with (banned: ``admits``) is neither: waiting for it held every
         round open for the whole window (measured: 20 s a round after a lying reducer was banned); nor is one whose run
-        is over (``done``), nor a suspect that has not announced a ``ready_at`` since it fell silent (``suspect``)."""
+        is over (``done``), nor a suspect that has not announced a ``ready_at`` since it fell silent (``suspect``).
+        ``max_age``: as ``others``."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience
         expected, later = {}, []
-        for peer, v in self.others().items():
+        for peer, v in self.others(max_age).items():
             at = v.get("ready_at", 0.0)
             if v.get("fingerprint") != self.fingerprint or not _averages(v) or not isinstance(at, float):
                 continue
@@ -325,7 +340,7 @@ class Membership(Announcements):
         that has not said when: until our patience runs out), plus half of swarm.matchmaking_time for the joining;
         at least swarm.matchmaking_time x (1 + log2(1 + expected) / 2). The round's leader assembles as soon as all of
         them joined."""
-        expected, _ = self._readiness()
+        expected, _ = self._readiness(max_age=self.READ_REUSE)  # asked right after expected_members: its read
         now, mm = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience - now
         last = max((bound if d is None else d for d in expected.values()), default=0.0)
