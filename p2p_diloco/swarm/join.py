@@ -266,7 +266,7 @@ class Membership(Announcements):
     def refresh(self) -> None:
         """Store our last announcement again (it says we are still here), unless we stored it within the last
         HEARTBEAT seconds (every store says so too, and each stored version is one more for every reader to
-        verify); called every HEARTBEAT seconds."""
+        verify); the training peer asks every half HEARTBEAT."""
         if self._value is not None and time.monotonic() - self._stored_at >= self.HEARTBEAT:
             self._store(self._value, wait=False)
 

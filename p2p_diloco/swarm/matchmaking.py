@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
 
 from hivemind.p2p import P2PContext
@@ -41,10 +42,28 @@ from hivemind.proto import averaging_pb2
 from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.protocol import RoundTag
 
-__all__ = ["BAN_SECONDS", "MatchmakingMixin"]
+__all__ = ["BAN_SECONDS", "MatchmakingMixin", "ask_host"]
 
 log = logging.getLogger("p2p_diloco.averager")
 BAN_SECONDS = 600.0  # how long a reducer caught lying is kept out of our groups
+
+
+def ask_host(hook: Callable[..., Any] | None, what: str, fallback: Any, *args: Any) -> Any:
+    """The answer of ``hook(*args)``, one of the host's hooks (the module docstring); ``fallback`` when the hook is not
+    set (None), raises (logged at debug level with ``what``), or answers something that is neither a number nor of
+    ``fallback``'s type (any answer counts when ``fallback`` is None). Not knowing only costs a wait: the averager then
+    does what it did before the hook existed."""
+    if hook is None:
+        return fallback
+    try:
+        answer = hook(*args)
+    except Exception as exc:  # noqa: BLE001 - a host hook's failure must not fail the round
+        log.debug("%s: unknown (%r)", what, exc)
+        return fallback
+    if fallback is not None and not isinstance(answer, type(fallback) | int):
+        log.debug("%s: unknown (answered %r)", what, answer)
+        return fallback
+    return answer
 
 
 class MatchmakingMixin:
@@ -80,13 +99,7 @@ class MatchmakingMixin:
     def _left_behind(self, mine: RoundTag | None, info: ReduceInfo) -> bool:
         """Whether the swarm holds a state too far past ``mine`` for our Δ to count (``swarm_ahead``; it goes to
         ``info.ahead``); False when that is not known."""
-        if self.swarm_ahead is None or mine is None:
-            return False
-        try:
-            ahead = self.swarm_ahead(mine)
-        except Exception as exc:  # noqa: BLE001 - not knowing where the swarm is: look for a group as before
-            log.debug("where the swarm is is unknown (%r)", exc)
-            return False
+        ahead = None if mine is None else ask_host(self.swarm_ahead, "where the swarm is", None, mine)
         if isinstance(ahead, RoundTag) and ahead.round > mine.round + self.rules.max_staleness:
             info.ahead = ahead
             log.info("the swarm holds %s, past this peer's %s: resyncing instead of looking for a group", ahead, mine)
@@ -94,42 +107,20 @@ class MatchmakingMixin:
 
     def _ask_group_wait(self) -> float:
         """``group_wait``'s answer; 0 when there is none or it fails (then matchmaking goes ahead now)."""
-        if self.group_wait is None:
-            return 0.0
-        try:
-            return float(self.group_wait())
-        except Exception as exc:  # noqa: BLE001 - not knowing when others are ready: go to matchmaking now
-            log.debug("when peers are ready is unknown (%r)", exc)
-            return 0.0
+        return float(ask_host(self.group_wait, "when peers are ready", 0.0))
 
     def _say_looking(self) -> None:
-        """Tell the mates we are ready now and looking for a group (``looking``), if anyone listens."""
-        if self.looking is None:
-            return
-        try:
-            self.looking()
-        except Exception as exc:  # noqa: BLE001 - the mates then read our last announcement, as before
-            log.debug("announcing that this peer is looking for a group failed (%r)", exc)
+        """Tell the mates we are ready now and looking for a group (``looking``), if anyone listens; when it fails
+        they read our last announcement, as before."""
+        ask_host(self.looking, "announcing that this peer is looking for a group", None)
 
     def _alone(self) -> bool:
         """Whether we are sure no other peer of the run averages now (``alone``); False when not known."""
-        if self.alone is None:
-            return False
-        try:
-            return bool(self.alone())
-        except Exception as exc:  # noqa: BLE001 - not knowing: look for a group as usual
-            log.debug("whether this peer is alone is unknown (%r)", exc)
-            return False
+        return bool(ask_host(self.alone, "whether this peer is alone", False))
 
     def _no_reachable_member(self) -> bool:
         """Whether no live peer of the run can lead a group for us (client mode; ``reachable_members`` says 0)."""
-        if self.reachable_members is None:
-            return False
-        try:
-            return int(self.reachable_members()) == 0
-        except Exception as exc:  # noqa: BLE001 - not knowing who is reachable: try matchmaking as usual
-            log.debug("reachable members unknown (%r)", exc)
-            return False
+        return ask_host(self.reachable_members, "the reachable members", None) == 0
 
     def _expect_members(self) -> float:
         """Tell the averager process how many members to assemble the round at and how long to hold its matchmaking

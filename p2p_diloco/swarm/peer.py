@@ -252,8 +252,10 @@ class TrainingPeer:
         return reachability.choose_mode(flag, found)
 
     def _heartbeat(self) -> None:
-        """Refresh our announcement while we are up, so peers count us as there (join.Membership.LIVE)."""
-        while not self.opts.stop.wait(Membership.HEARTBEAT) and self.dht is not None:
+        """Refresh our announcement while we are up, so peers count us as there (join.Membership.LIVE): asked every
+        half HEARTBEAT, it stores when nothing was stored for HEARTBEAT seconds, so no two stores are more than 1.5
+        HEARTBEAT apart (LIVE is 3 HEARTBEATs)."""
+        while not self.opts.stop.wait(Membership.HEARTBEAT / 2) and self.dht is not None:
             self.members.refresh()
 
     def run_round(self) -> RoundResult | None:

@@ -49,6 +49,7 @@ import torch
 from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.outer import is_finite
 from p2p_diloco.protocol import Gathered, GatherPayload
+from p2p_diloco.swarm.matchmaking import ask_host
 
 __all__ = ["ALONE", "NO_REACHABLE_MEMBER", "ReduceMixin"]
 
@@ -193,11 +194,8 @@ class ReduceMixin:
     def _report_silent(self, peers: list[str]) -> None:
         """Tell the host (``silent``, e.g. Membership.suspect) which members of a failed attempt did not answer its
         vote; a hook that raises is logged and ignored."""
-        if peers and self.silent is not None:
-            try:
-                self.silent(peers)
-            except Exception as exc:  # noqa: BLE001 - a hook's failure must not fail the round
-                log.debug("reporting silent members failed (%r)", exc)
+        if peers:
+            ask_host(self.silent, "reporting silent members", None, peers)
 
     def _result_of(self, control: Any, deadline: float) -> Any:
         """The step's result, by ``deadline`` (monotonic; TimeoutError after it). While it is still matchmaking, say

@@ -145,6 +145,7 @@ def host(args: argparse.Namespace) -> int:
             results[k] = str(TrainingPeer(cfg, opts, data).run())
         except Exception as exc:  # noqa: BLE001 - reported by the host, the others go on
             results[k] = f"{type(exc).__name__}: {exc}"
+            logging.getLogger("p2p_diloco").error("peer %d failed: %s", k, results[k])  # now, not at the end
 
     threads = [
         threading.Thread(target=run, args=(k,), name=f"peer{k}") for k in range(args.first, args.first + args.count)
