@@ -3,9 +3,10 @@
 Each script runs as ``python scripts/bench/<item>.py --smoke --out <tmp>/<item>.json`` (run_all: ``--results
 <tmp>/results``) in its own session, with a deadline; on a failure or a timeout it is SIGTERMed (its ``finally``
 blocks stop the swarms it started) and then its process group is SIGKILLed. The measured results in
-scripts/bench/results/ and BENCHMARKS.md must be left untouched. The scripts selected for a session all start
-together when the first of their tests runs (they mostly wait on process start-up and matchmaking, so together
-they take about half as long as one after the other); each test then waits for its own, within its deadline.
+scripts/bench/results/ and BENCHMARKS.md must be left untouched. The scripts selected for a session run PARALLEL
+at a time, in the tests' order, from when the first of their tests runs (they mostly wait on process start-up and
+matchmaking, so a few together take about half as long as one after the other; all eleven at once starved each other
+past their deadlines in a CI run); each test waits for its own, within its deadline from its own start.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def measured_results_untouched():
     assert sorted((BENCH / "results").glob("*.json")) == sorted(p for p in before if p.suffix == ".json")
 
 
-# test name -> (script, its arguments given the output dir, seconds it may take from the common start)
+# test name -> (script, its arguments given the output dir, seconds it may take from its start)
 SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
     "test_inner_smoke": ("inner.py", lambda d: ["--out", str(d / "inner.json")], 120),
     "test_comm_quality_smoke": ("comm_quality.py", lambda d: ["--out", str(d / "comm_quality.json")], 150),
@@ -62,29 +63,48 @@ SMOKES: dict[str, tuple[str, Callable[[Path], list[str]], float]] = {
 }
 
 
+PARALLEL = 3  # smoke scripts running at once: all eleven together starved each other past their deadlines (CI)
+
+
 @pytest.fixture(scope="module")
 def smoke(request, tmp_path_factory):
-    """``smoke(test name) -> (Proc, output dir)`` once that script exited 0; all selected scripts start at once."""
+    """``smoke(test name) -> (Proc, output dir)`` once that script exited 0. The selected scripts run PARALLEL at a
+    time, in the tests' order, from when the first test asks; each one's deadline counts from its own start."""
     out = tmp_path_factory.mktemp("bench")
-    selected = [item.name for item in request.session.items if item.name in SMOKES]
-    procs = {}
-    for name in selected:
+    queue = [item.name for item in request.session.items if item.name in SMOKES]
+    procs: dict[str, tuple[Proc, float]] = {}  # started: name -> (process, when)
+
+    def launch(name: str) -> None:
+        queue.remove(name)
         script, args, _ = SMOKES[name]
-        procs[name] = Proc([sys.executable, str(BENCH / script), "--smoke", *args(out)], cwd=ROOT)
-    started = time.monotonic()
+        procs[name] = (Proc([sys.executable, str(BENCH / script), "--smoke", *args(out)], cwd=ROOT), time.monotonic())
+
+    def start_more() -> None:
+        running = sum(1 for proc, _ in procs.values() if proc.alive())
+        for name in queue[: max(0, PARALLEL - running)]:
+            launch(name)
 
     def finish(name: str) -> tuple[Proc, Path]:
-        proc, (script, _, timeout) = procs[name], SMOKES[name]
-        try:
-            rc = proc.wait(timeout=max(1.0, started + timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        start_more()
+        if name not in procs:  # asked out of its turn (a -k selection's order): start it now, beside the others
+            launch(name)
+        (proc, began), (script, _, timeout) = procs[name], SMOKES[name]
+        while proc.alive() and time.monotonic() < began + timeout:
+            start_more()  # a slot freed by another script goes to the next one
+            try:
+                proc.popen.wait(timeout=min(1.0, max(0.01, began + timeout - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.alive():
             proc.stop(grace=20.0)
             pytest.fail(f"{script} --smoke did not finish within {timeout:.0f} s\n{proc.describe(60)}")
+        rc = proc.wait(timeout=5.0)
+        start_more()
         assert rc == 0, proc.describe(60)
         return proc, out
 
     yield finish
-    for proc in procs.values():
+    for proc, _ in procs.values():
         if proc.alive():
             proc.stop(grace=20.0)
         proc.kill_group()
