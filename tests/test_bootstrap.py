@@ -7,16 +7,20 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 import pytest
+from hivemind.utils import get_dht_time
 
 from p2p_diloco.swarm.dht import (
     EXAMPLE_MADDR,
+    NODE_POLICY,
     SwarmSetupError,
     SwarmUnreachableError,
     initial_peers_from_env,
     initial_peers_line,
+    known_peers,
     order_maddrs,
     parse_initial_peers,
     shutdown_dht,
@@ -211,3 +215,48 @@ def test_bad_initial_peers_fail_cleanly(spawn, peers, words):
     assert "Traceback" not in boot.stderr, boot.describe()
     assert not boot.stdout_lines, boot.describe()
     assert wait_until(lambda: not live_group_members(boot.pgid), 5), live_group_members(boot.pgid)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(60)
+def test_a_busy_initial_peer_is_asked_again_within_join_timeout():
+    """An initial peer that accepts the connection but answers no ping within hivemind's RPC timeout (3 s: its DHT
+    process is stopped here, its p2pd is not) fails the first bootstrap; start_dht tries again, and joins once it
+    answers (a bootstrap node busy with many peers joining at once failed 7 of 32 so)."""
+    first = start_dht([], new_swarm=True, host_maddrs=LOCAL, join_timeout=10)
+    joined: list = []
+    try:
+        os.kill(first.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        resumed = threading.Timer(6.0, os.kill, (first.pid, signal.SIGCONT))
+        resumed.start()
+        second = start_dht(visible_maddrs(first), host_maddrs=LOCAL, join_timeout=30)
+        joined.append(second)
+        assert time.monotonic() - t0 > 6.0  # it could not have joined before the initial peer answered
+        assert str(first.peer_id) in known_peers(second)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        for dht in [*joined, first]:
+            shutdown_dht(dht)
+
+
+async def _cached_and_k(_dht, node):
+    return len(node.protocol.cache), node.protocol.bucket_size
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(60)
+def test_a_node_keeps_no_copy_of_what_it_reads():
+    """dht.NODE_POLICY: a value read is not cached by the reader (nor sent to another node), so a lookup of the run's
+    members is answered by the key's replicas only; the search beam is 8 nodes."""
+    first = start_dht([], new_swarm=True, host_maddrs=LOCAL, join_timeout=10)
+    nodes = [first]
+    try:
+        nodes.append(second := start_dht(visible_maddrs(first), host_maddrs=LOCAL, join_timeout=10))
+        assert first.store("members", b"x", get_dht_time() + 60, subkey="a")
+        found = second.get("members", latest=True)
+        assert found is not None and set(found.value) == {"a"}
+        assert second.run_coroutine(_cached_and_k) == (0, NODE_POLICY["bucket_size"])
+    finally:
+        for dht in reversed(nodes):
+            shutdown_dht(dht)

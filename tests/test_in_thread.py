@@ -66,3 +66,37 @@ def test_peers_built_at_once_in_threads_start_from_the_same_weights() -> None:
         t.join(timeout=60)
     assert len(built) == 20
     assert all(all(torch.equal(a, b) for a, b in zip(built[0], other, strict=True)) for other in built[1:])
+
+
+def test_loops_of_many_threads_spawn_processes_at_once() -> None:
+    """Each in-thread DHT node's loop spawns its p2pd; uvloop refuses a spawn while another thread's loop forks
+    (without allow_in_threads, 7 of 8 such threads failed here)."""
+    import asyncio
+    import asyncio.subprocess
+
+    import uvloop
+
+    allow_in_threads()
+    errors: list[str] = []
+
+    def spawn_many() -> None:
+        async def main() -> None:
+            for _ in range(20):
+                process = await asyncio.subprocess.create_subprocess_exec("true")
+                assert await process.wait() == 0
+
+        loop = uvloop.new_event_loop()
+        try:
+            loop.run_until_complete(main())
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(repr(exc))
+        finally:
+            loop.close()
+
+    threads = [threading.Thread(target=spawn_many) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []

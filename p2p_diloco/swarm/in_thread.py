@@ -20,13 +20,18 @@ itself: the copy sends the update to the original, as from another process; and 
 original's entry in the table of live futures with it, so the update would find nobody: a copy's death leaves it),
 and wakes a future's asyncio waiters
 with ``run_until_complete`` on the creator's loop, which asyncio refuses inside another thread's running loop (nobody
-awaits on a loop that is not running, so the event is set directly then).
+awaits on a loop that is not running, so the event is set directly then). Each DHT node's loop spawns its p2pd, and
+uvloop refuses a spawn while another loop of the process is forking ("Racing with another loop to spawn a process":
+one of 32 peers failed so at start, and the run waited out its join_timeout for it): such a spawn is tried again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.subprocess
 import logging
 import os
+import random
 import signal as _signal
 import threading
 from types import ModuleType
@@ -108,6 +113,24 @@ def _forgotten_only_by_itself(method: Any) -> Any:
     return __del__
 
 
+def _spawn_again_when_racing(spawn: Any) -> Any:
+    """asyncio's create_subprocess_exec, tried again (up to ~5 s) when uvloop refuses it because another thread's
+    loop is forking at that moment."""
+
+    async def create_subprocess_exec(*args: Any, **kwargs: Any) -> Any:
+        for attempt in range(100):
+            try:
+                return await spawn(*args, **kwargs)
+            except RuntimeError as exc:
+                if "Racing with another loop" not in str(exc) or attempt == 99:
+                    raise
+            await asyncio.sleep(random.uniform(0.01, 0.09))
+        raise AssertionError("unreachable")
+
+    create_subprocess_exec.in_thread = True
+    return create_subprocess_exec
+
+
 def allow_in_threads() -> None:
     """Let hivemind's DHT and averager loops run as threads of one process (idempotent)."""
     import hivemind.averaging.averager as averager_module
@@ -123,6 +146,8 @@ def allow_in_threads() -> None:
         MPFuture.set_exception = _finished_from_a_copy(MPFuture.set_exception, UpdateType.EXCEPTION)
     if not getattr(MPFuture.__del__, "in_thread", False):
         MPFuture.__del__ = _forgotten_only_by_itself(MPFuture.__del__)
+    if not getattr(asyncio.subprocess.create_subprocess_exec, "in_thread", False):
+        asyncio.subprocess.create_subprocess_exec = _spawn_again_when_racing(asyncio.subprocess.create_subprocess_exec)
 
 
 class ThreadOrProcess:

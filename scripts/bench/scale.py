@@ -19,7 +19,11 @@ under ``--case`` (default: the peer count) into scripts/bench/results/scale.json
     bytes_per_round       median payload bytes a peer sent in a counted round, and that over the 2(n-1)/n bound
                           (the round's n, in the wire codec: simulate.wire_bytes_sent)
     dht_per_peer_round    DHT reads and writes per peer per round, from every DHT call of the host processes
-                          (announcements, records, vouches, the averager's matchmaking)
+                          (announcements, records, vouches, the averager's matchmaking), and the RPCs they cost
+                          (``find``: a lookup asked of one node, ``store``: a record sent to one node, replicas
+                          and caching included)
+    cpu_per_peer_round    CPU seconds per peer-round: the host processes and their p2pd daemons (the bootstrap
+                          node's too), sampled each second from /proc
     memory                the machine's peak memory in use (MemTotal - MemAvailable) over the run, less before it;
                           per peer; and the peak summed PSS of the processes
 Logs: each host process writes its peers' account (p2p_diloco at INFO; with ``--matchmaking-log`` also hivemind's
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -119,8 +124,10 @@ def host(args: argparse.Namespace) -> int:
         use_hivemind_log_handler("in_root_logger")
         logging.getLogger("hivemind").setLevel(logging.WARNING)
         logging.getLogger("hivemind.averaging").setLevel(logging.DEBUG)
-    calls = {"get": 0, "store": 0}
-    for name in calls:  # every DHT read and write of these peers (ours and the averager's matchmaking)
+    from hivemind.dht.protocol import DHTProtocol
+
+    calls = {"get": 0, "store": 0, "find_rpc": 0, "store_rpc": 0}
+    for name in ("get", "store"):  # every DHT read and write of these peers (ours and the averager's matchmaking)
         original = getattr(DHT, name)
 
         def counted(self: Any, *a: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
@@ -128,6 +135,18 @@ def host(args: argparse.Namespace) -> int:
             return _original(self, *a, **kw)
 
         setattr(DHT, name, counted)
+    for name in ("call_find", "call_store"):  # the RPCs they cost, one per node asked
+        original = getattr(DHTProtocol, name)
+
+        async def counted_rpc(self: Any, *a: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
+            calls[_name[5:] + "_rpc"] += 1
+            return await _original(self, *a, **kw)
+
+        setattr(DHTProtocol, name, counted_rpc)
+    if args.dht_policy:  # another cache policy of the DHT nodes than the peers' (dht.NODE_POLICY), to compare
+        import p2p_diloco.swarm.dht as dht_module
+
+        dht_module.NODE_POLICY = json.loads(args.dht_policy)
     cfg = load_config(TINY, json.loads(args.sets))
     apply_threads(1)
     data = DataPipeline(cfg.data, cfg.seed)
@@ -175,7 +194,18 @@ def _used() -> int:
     return m["MemTotal"] - m["MemAvailable"]
 
 
-def summarize(args: argparse.Namespace, records: list[list[dict[str, Any]]], dht_calls: dict[str, int]) -> dict:
+def _cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process, in seconds (None when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def summarize(
+    args: argparse.Namespace, records: list[list[dict[str, Any]]], dht_calls: dict[str, int], cpu: dict[str, float]
+) -> dict:
     from p2p_diloco.config import load_config
     from p2p_diloco.data import DataPipeline
     from p2p_diloco.model import build_model
@@ -209,6 +239,8 @@ def summarize(args: argparse.Namespace, records: list[list[dict[str, Any]]], dht
         "median_bytes_sent": statistics.median(r["bytes_sent"] for r in counted) if counted else None,
         "median_bytes_over_bound": statistics.median(ratios) if ratios else None,
         "dht_per_peer_round": {k: v / max(1, trained) for k, v in dht_calls.items()},
+        "cpu_seconds": cpu,
+        "cpu_per_peer_round": sum(cpu.values()) / trained if trained else None,
     }
 
 
@@ -218,6 +250,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     sets = json.dumps(overrides(args, run_id))
     local = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
     before, peak, pss, stop = _used(), [0], [0], threading.Event()
+    cpu_seen: dict[int, tuple[str, float]] = {}  # pid -> (command name, its CPU seconds when last seen)
     boot = Proc([sys.executable, "-m", "peers.run_bootstrap", *local])
     hosts: list[Proc] = []
 
@@ -225,12 +258,14 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         while not stop.wait(1.0):
             peak[0] = max(peak[0], _used() - before)
             pids = [boot.pid, *(h.pid for h in hosts)]
-            total = sum(
-                (proc_memory(p) or {}).get("Pss", 0) for p in {*pids, *(c for q in pids for c, _, _ in descendants(q))}
-            )
-            pss[0] = max(pss[0], total)
+            named = {**{p: "python" for p in pids}, **{c: name for q in pids for c, _, name in descendants(q)}}
+            pss[0] = max(pss[0], sum((proc_memory(p) or {}).get("Pss", 0) for p in named))
+            for p, name in named.items():
+                if (seconds := _cpu_seconds(p)) is not None:
+                    cpu_seen[p] = (name, seconds)
 
-    problem, started, dht_calls = "", time.monotonic(), {"get": 0, "store": 0}
+    problem, started = "", time.monotonic()
+    dht_calls = {"get": 0, "store": 0, "find_rpc": 0, "store_rpc": 0}
     try:
         initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
         threading.Thread(target=sample, daemon=True).start()
@@ -251,6 +286,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                         "--sets",
                         sets,
                         *(["--matchmaking-log"] if args.matchmaking_log else []),
+                        *(["--dht-policy", args.dht_policy] if args.dht_policy else []),
                         "--initial",
                         *initial,
                     ]
@@ -271,7 +307,10 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         for p in [*hosts, boot]:
             p.kill_group()
     records = [read_jsonl(workdir / f"peer{k}" / "metrics.jsonl") for k in range(args.peers)]
-    out = summarize(args, records, dht_calls)
+    cpu: dict[str, float] = {}
+    for name, seconds in cpu_seen.values():
+        cpu[name] = round(cpu.get(name, 0.0) + seconds, 1)
+    out = summarize(args, records, dht_calls, cpu)
     out.update(
         peers=args.peers,
         group=args.group,
@@ -279,6 +318,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         rounds=args.rounds,
         h=args.h,
         sets=args.set,
+        dht_policy=args.dht_policy,
         seconds=round(time.monotonic() - started, 1),
         memory={
             "machine_peak_bytes": peak[0],
@@ -304,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="result file (default results/scale.json)")
     p.add_argument("--smoke", action="store_true", help=f"a short check of this script: {SMOKE}")
     p.add_argument("--matchmaking-log", action="store_true", help="hivemind's matchmaking at debug level in host*.log")
+    p.add_argument("--dht-policy", help="JSON: the peers' DHT node cache settings instead of dht.NODE_POLICY")
     p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--first", type=int, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
