@@ -24,6 +24,7 @@ from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import PART_VALUES, part_count, part_digests, state_checksum
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.download import MAX_FAILURES, download_state, read_manifest
+from p2p_diloco.swarm.state_pieces import _piece_cost
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -286,3 +287,22 @@ def test_a_refused_manifest_says_why_not_that_the_donor_has_other_settings():
     assert read_manifest("donor", {"fingerprint": "other", "round": 3}, tag, "fp", values) == (
         "it comes from a peer with other settings"
     )
+
+
+def test_a_piece_costs_its_share_of_the_state_and_never_more_than_the_state():
+    """state_pieces._piece_cost: a piece of a state smaller than one part cost PART_VALUES / total states (12 for
+    the scale harness's micro model), over the default budget of 4: every donor refused it."""
+    tag = (1, "00" * 8)
+    assert _piece_cost((*tag, 0, 21_664), 21_664) == 1.0  # one piece, the whole small state
+    assert _piece_cost((*tag, 0, PART_VALUES), 5 * PART_VALUES) == pytest.approx(0.2)
+    assert _piece_cost((*tag, 4 * PART_VALUES, 4 * PART_VALUES + 7), 4 * PART_VALUES + 7) == pytest.approx(0.25, 1e-4)
+    assert _piece_cost((*tag, 0, 3 * PART_VALUES), 3 * PART_VALUES) == 1.0
+
+
+def test_a_state_smaller_than_one_part_downloads_within_the_default_budget(swarm):
+    small = OuterState(anchor=[torch.arange(1000.0)], momentum=[torch.ones(1000)], round=3)
+    donor = Donor(swarm["donors"][0].maddrs(), small, max_state_downloads=4)  # the config's default
+    swarm["peers"].append(donor)
+    tag = RoundTag(small.round, small.checksum())
+    got = download_state(swarm["newcomer"].averager, small.tensors(), "fp", tag, [donor.peer_id], 30.0)
+    assert got is not None and got[0].checksum() == tag.checksum

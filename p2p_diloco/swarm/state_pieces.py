@@ -60,8 +60,10 @@ def _whole_parts(start: int, end: int, total: int) -> bool:
 
 
 def _piece_cost(want: tuple[int, str, int, int], total: int) -> float:
-    """A piece's charge against the download budget: its share of the state, at least one part's."""
-    return max(want[3] - want[2], PART_VALUES) / max(total, 1)
+    """A piece's charge against the download budget: its share of the state, at least one part's, at most the whole
+    state's (1). A state smaller than one part (PART_VALUES) was charged PART_VALUES / total for its one piece: 12
+    states for the scale harness's micro model, over any budget, so every donor refused every piece of it."""
+    return min(1.0, max(want[3] - want[2], min(PART_VALUES, total)) / max(total, 1))
 
 
 class StatePiecesMixin:

@@ -574,8 +574,8 @@ def _swarm_table(found: dict[str, dict[str, Any] | None], cases: list[tuple[str,
         "### Items 13 and 14, per case (one_state.json, scale.json)",
         "",
         "| item | case | peers, --group | rounds | states per round (most) | final states | peer-rounds lost "
-        "| median bytes sent | date |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| median bytes sent | CPU s a peer-round | date |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     notes = []
     for title, c in cases:
@@ -590,6 +590,7 @@ def _swarm_table(found: dict[str, dict[str, Any] | None], cases: list[tuple[str,
             str(c["final_states"]),
             f"{c['lost_peer_rounds']} of {c['peer_rounds_trained']} ({100 * c['lost_share']:.0f}%)",
             fmt(c["median_bytes_sent"], "B") + over,
+            f"{c['cpu_per_peer_round']:.2f}" if c.get("cpu_per_peer_round") else "-",
             str(c.get("utc", "-"))[:10],
         ]
         lines.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")
