@@ -240,23 +240,27 @@ def test_a_busy_initial_peer_is_asked_again_within_join_timeout():
             shutdown_dht(dht)
 
 
-async def _cached_and_k(_dht, node):
-    return len(node.protocol.cache), node.protocol.bucket_size
+async def _cached_stored_and_k(_dht, node):
+    return len(node.protocol.cache), len(node.protocol.storage), node.protocol.bucket_size
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_node_keeps_no_copy_of_what_it_reads():
-    """dht.NODE_POLICY: a value read is not cached by the reader (nor sent to another node), so a lookup of the run's
-    members is answered by the key's replicas only; the search beam is 8 nodes."""
-    first = start_dht([], new_swarm=True, host_maddrs=LOCAL, join_timeout=10)
-    nodes = [first]
+    """dht.NODE_POLICY: a value read is not cached by a reader that is not one of its replicas (nor sent to another
+    node), so a lookup of the run's members is answered by the key's replicas only; the search beam is 8 nodes. One
+    replica of three nodes here, so that a reader holds no stored copy (with hivemind's defaults it caches one)."""
+    nodes = [start_dht([], new_swarm=True, host_maddrs=LOCAL, join_timeout=10, num_replicas=1)]
     try:
-        nodes.append(second := start_dht(visible_maddrs(first), host_maddrs=LOCAL, join_timeout=10))
-        assert first.store("members", b"x", get_dht_time() + 60, subkey="a")
-        found = second.get("members", latest=True)
+        for _ in range(2):
+            nodes.append(start_dht(visible_maddrs(nodes[0]), host_maddrs=LOCAL, join_timeout=10, num_replicas=1))
+        assert nodes[0].store("members", b"x", get_dht_time() + 60, subkey="a")
+        readers = [n for n in nodes if n.run_coroutine(_cached_stored_and_k)[1] == 0]
+        assert len(readers) == 2
+        found = readers[0].get("members", latest=True)
         assert found is not None and set(found.value) == {"a"}
-        assert second.run_coroutine(_cached_and_k) == (0, NODE_POLICY["bucket_size"])
+        assert readers[0].run_coroutine(_cached_stored_and_k) == (0, 0, NODE_POLICY["bucket_size"])
+        assert readers[1].run_coroutine(_cached_stored_and_k)[:2] == (0, 0)  # nobody sent it a copy either
     finally:
         for dht in reversed(nodes):
             shutdown_dht(dht)
