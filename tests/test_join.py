@@ -193,6 +193,22 @@ def test_a_peer_on_the_smaller_lineage_of_a_split_moves_to_the_larger_one():
         for tag in (s0, b1):  # one on each lineage: the smaller checksum at the latest common round (1) wins
             assert first.announce(tag)
         assert reader.canonical(a1) is None and first.canonical(b1) == a1
+        # at the end of a run, lingering peers count too: b is held by two again (one of them done)
+        assert reader.canonical(a1, counting_done=True) == b2 and first.canonical(b1, counting_done=True) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_waits_at_the_end_only_for_mates_whose_last_round_may_still_end():
+    """``finishing(R)``: a live mate that still averages and holds round R - 1 or later may still end its last round
+    (on another lineage: the end-of-run heal waits for it); one further behind, or done, is not waited for."""
+    cfg = load_config(TINY, [])
+    with _three_members(cfg) as ((reader, one, other), _):
+        assert not reader.finishing(3)  # nobody announced
+        assert one.announce(RoundTag(1, "a" * 16)) and other.announce(RoundTag(1, "a" * 16))
+        assert not reader.finishing(3)  # two rounds behind: not about to end a last round
+        assert one.announce(RoundTag(2, "b" * 16))
+        assert reader.finishing(3)
+        assert one.finish() and not reader.finishing(3)  # its run is over
 
 
 @pytest.mark.timeout(60)

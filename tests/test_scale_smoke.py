@@ -1,5 +1,6 @@
 """scripts/bench/scale.py --smoke: 6 real peers in two host processes (DHT node and averager as threads), rounds of two
-butterfly groups: every round ends on one state for all of them.
+butterfly groups: every round ends on one state for all of them. And a run whose last round splits (rounds capped at
+2 peers, 4 peers) ends on one state all the same: the end-of-run heal.
 
 Runs alone (not with the other bench smokes, which start together): the harness's peers share two cores and their
 matchmaking waits on DHT answers, so it is kept off a machine the other smokes load.
@@ -20,16 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 420.0  # the smoke's own --timeout is 400 s; it took 46 s alone here
 
 
-@pytest.mark.swarm
-@pytest.mark.timeout(480)
-def test_scale_smoke_ends_every_round_on_one_state(tmp_path: Path) -> None:
-    out = tmp_path / "scale.json"
-    proc = Proc([sys.executable, str(ROOT / "scripts" / "bench" / "scale.py"), "--smoke", "--out", str(out)], cwd=ROOT)
+def _harness(out: Path, *args: str) -> dict:
+    """Run scale.py with ``args``, writing ``out``; its one case."""
+    proc = Proc([sys.executable, str(ROOT / "scripts" / "bench" / "scale.py"), *args, "--out", str(out)], cwd=ROOT)
     try:
         try:
             rc = proc.wait(timeout=DEADLINE)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"scale.py --smoke did not finish within {DEADLINE:.0f} s\n{proc.describe(40)}")
+            pytest.fail(f"scale.py {' '.join(args)} did not finish within {DEADLINE:.0f} s\n{proc.describe(40)}")
         assert rc == 0, proc.describe(40)
     finally:
         if proc.alive():
@@ -37,8 +36,28 @@ def test_scale_smoke_ends_every_round_on_one_state(tmp_path: Path) -> None:
         proc.kill_group()
     (case,) = json.loads(out.read_text())["cases"].values()
     assert case["problem"] == "", case["problem"]
+    return case
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(480)
+def test_scale_smoke_ends_every_round_on_one_state(tmp_path: Path) -> None:
+    case = _harness(tmp_path / "scale.json", "--smoke")
     assert case["peers"] == 6 and case["rounds_applied"] == case["rounds"] == 2, case
     assert set(case["states_per_round"].values()) == {1} and case["final_states"] == 1, case
     assert 2 in case["groups_per_round"], case  # a round of 6 ran as two butterflies of 3, one mean
     assert case["lost_share"] <= 0.25, case  # measured 0 of 12 alone; a loaded machine may cost a peer a round
     assert 0.9 < case["median_bytes_over_bound"] < 1.5, case
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(480)
+def test_a_run_whose_last_round_split_ends_on_one_state(tmp_path: Path) -> None:
+    """4 peers, one round, rounds capped at 2 peers: the last (only) round splits into two lineages, and no later round
+    heals it. The peers on the lineage that is not canonical (2 and 2: the smaller checksum) take the other's state at
+    the end (final.json says so); before the end-of-run heal, the run ended on 2 states."""
+    sets = ["--set", "swarm.max_round_peers=2"]
+    case = _harness(tmp_path / "scale.json", "--peers", "4", "--group", "2", "--per-process", "4", "--rounds", "1",
+                    "--h", "2", "--timeout", "400", *sets)  # fmt: skip
+    assert case["states_per_round"]["1"] >= 2, case  # the round split (the cap makes two rounds of two)
+    assert case["final_states"] == 1 and case["healed_at_end"] >= 1, case

@@ -381,15 +381,17 @@ class Membership(Announcements):
         horizon = time.monotonic() - self.LIVE
         return not any(seen > horizon for seen in list(self._averaging_seen.values()))
 
-    def canonical(self, mine: RoundTag) -> RoundTag | None:
+    def canonical(self, mine: RoundTag, counting_done: bool = False) -> RoundTag | None:
         """The state to move to when the live peers with our settings (us included) hold two or more lineages of the
         outer state and ours is not the canonical one (lineage.py); else None. The canonical lineage's furthest state
         that the swarm offers (``swarm.state_quorum`` vouch for it and a live peer holds it) is the one to take; None
         when it offers none of that lineage's states. Measured before this rule: 16 peers split at round 1 ran two
-        lineages side by side for five rounds."""
+        lineages side by side for five rounds. ``counting_done``: peers whose run is over count too, while they
+        linger (the heal at the end of a run, when every peer is done or about to be)."""
         others = self.others()
+        counts = (lambda v: bool(v.get("live"))) if counting_done else _averages
         histories = {
-            peer: _tags_of(v) for peer, v in others.items() if v.get("fingerprint") == self.fingerprint and _averages(v)
+            peer: _tags_of(v) for peer, v in others.items() if v.get("fingerprint") == self.fingerprint and counts(v)
         }
         if not any(histories.values()):
             return None
@@ -400,6 +402,12 @@ class Membership(Announcements):
         offers = self.vouches(others).offers(self.cfg.swarm.state_quorum, None)  # the same read, not a second one
         offered = [tag for tag, _ in offers if tag in chosen[1]]
         return offered[0] if offered else None  # offers come furthest first
+
+    def finishing(self, last_round: int) -> bool:
+        """Whether a live mate with our settings still averages and holds a state at ``last_round`` - 1 or later: its
+        last round may still end, on our lineage or on another (a split that only the heal at the end of a run mends).
+        A mate further behind is not waited for, nor one whose run is over (``done``)."""
+        return any(_averages(v) and (tags := _tags_of(v)) and tags[-1].round >= last_round - 1 for v in self.mates())
 
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and

@@ -3,6 +3,7 @@
 Inputs:  a Config, PeerOptions (initial peers, log dir, network flags), a stop Event (set by signals).
 Output:  DIR/metrics.jsonl, the DHT record and a console line per round (report.py), and the same record to
          DIR/tensorboard and DIR/wandb when ``logging`` turns them on (trackers.py); DIR/run_metadata.json;
+         DIR/final.json at the end (the state the peer ended on, after the end-of-run heal of a split);
          DIR/checkpoints/round_NNNNNN every ``train.checkpoint_every`` rounds and at exit (the outer state plus
          this worker's inner AdamW state and place in its shard, so --resume loses nothing).
 State:   the Worker (model, inner AdamW, OuterState), the peer's Identity (one RSA key: libp2p peer id, DHT signer,
@@ -31,6 +32,7 @@ This module only orchestrates; each concern has its own:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 import time
@@ -46,7 +48,7 @@ from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.fingerprint import swarm_fingerprint
 from p2p_diloco.outer import OuterState
-from p2p_diloco.protocol import RoundRules
+from p2p_diloco.protocol import RoundRules, RoundTag
 from p2p_diloco.robust import max_round_tokens
 from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.averager import PseudoGradAverager
@@ -92,6 +94,8 @@ class _Pace:
 
 class TrainingPeer:
     """One training peer: ``run()`` joins, trains until ``train.rounds`` or a stop request, and cleans up."""
+
+    FINAL_HEAL_PAUSE = 2.0  # seconds between looks for a split while mates finish their last round
 
     def __init__(self, cfg: Config, opts: PeerOptions, data: DataPipeline | None = None) -> None:
         """``data``: the run's pipeline when the caller built it already (peers of one process share it), else built
@@ -365,6 +369,8 @@ class TrainingPeer:
                 log.info("stop requested: leaving at round %d", self.worker.state.round)
             self._checkpoint()
             self.members.finish()  # no mate's matchmaking waits for us from here on
+            healed_from = None if self.opts.stop.is_set() else self._heal_at_the_end()
+            self._write_final(healed_from)
             if not self.opts.stop.is_set() and self.cfg.swarm.linger_seconds > 0:
                 log.info("done; serving the final state to peers for %.0fs more", self.cfg.swarm.linger_seconds)
                 self.opts.stop.wait(self.cfg.swarm.linger_seconds)
@@ -383,6 +389,42 @@ class TrainingPeer:
             raise
         finally:
             self.close()
+
+    def _heal_at_the_end(self) -> RoundTag | None:
+        """After our last round (we announced ``done``): while a mate's last round may still end (Membership.finishing),
+        watch for a split, and when our lineage is not the canonical one among the live peers, done ones included,
+        take the canonical state, so the run ends on one state. ``_heal`` mends a split before the next round; a split
+        in the last round has none (measured: 64 harness peers ended 58 + 6 on two states). At most
+        swarm.round_deadline; the tag we left, or None."""
+        left, deadline = None, time.monotonic() + self.cfg.swarm.round_deadline
+        while not self.opts.stop.is_set():
+            mine = self.sync.tag()
+            target = self.members.canonical(mine, counting_done=True)
+            if target is not None:
+                log.warning("the run ended split: more peers hold the lineage of %s than ours (%s)", target, mine)
+                if self.sync.take(target, "the run ended split: moving to the canonical lineage"):
+                    left = left or mine
+                    self.members.announce(self.sync.tag(), wait=True)
+                    self._checkpoint()
+                    continue
+            elif not self.members.finishing(mine.round):
+                break
+            if time.monotonic() > deadline:
+                log.warning("the run's end: mates still finish their last round after %.0fs; not waiting longer",
+                            self.cfg.swarm.round_deadline)  # fmt: skip
+                break
+            self.opts.stop.wait(self.FINAL_HEAL_PAUSE)
+        return left
+
+    def _write_final(self, healed_from: RoundTag | None) -> None:
+        """DIR/final.json: the outer state this peer ended on (its round and checksum: the last metrics.jsonl record's,
+        unless the heal at the end of the run moved it), and the state it left then, if any."""
+        tag = self.sync.tag()
+        final = {"round": tag.round, "checksum": tag.checksum, "stopped": self.opts.stop.is_set()}
+        if healed_from is not None:
+            final["healed_from"] = {"round": healed_from.round, "checksum": healed_from.checksum}
+            print(f"the run ended split: moved from {healed_from} to the canonical {tag}", flush=True)
+        (self.log_dir / "final.json").write_text(json.dumps(final) + "\n")
 
     def _settled(self, result: RoundResult | None, started: float) -> None:
         """Report every round trained since the last call: the lost ones (discarded, resynced: Worker.take_lost),

@@ -15,7 +15,10 @@ under ``--case`` (default: the peer count) into scripts/bench/results/scale.json
     rounds_per_minute     rounds applied per minute of the run, from the first round's end to the last's
     lost_share            peer-rounds trained whose Δ moved no state (lost records, local steps) / all trained
     states_per_round      per outer step, distinct checksums among the peers' counted records (1: one state)
-    final_states          distinct checksums among the peers' last records
+    off_majority          counted peer-rounds whose state is not its round's most common one (a split's minority:
+                          the lineage the swarm then left, so their Δ is not in the final state either)
+    final_states          distinct checksums among the states the peers ended on (final.json, after the end-of-run
+                          heal; the last record's when a peer wrote none); healed_at_end: peers that heal moved
     bytes_per_round       median payload bytes a peer sent in a counted round, and that over the 2(n-1)/n bound
                           (the round's n, in the wire codec: simulate.wire_bytes_sent)
     dht_per_peer_round    DHT reads and writes per peer per round, from every DHT call of the host processes
@@ -43,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -204,20 +208,29 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 def summarize(
-    args: argparse.Namespace, records: list[list[dict[str, Any]]], dht_calls: dict[str, int], cpu: dict[str, float]
+    args: argparse.Namespace,
+    records: list[list[dict[str, Any]]],
+    dht_calls: dict[str, int],
+    cpu: dict[str, float],
+    finals: list[dict[str, Any] | None] | None = None,
 ) -> dict:
+    """The figures of the module docstring from every peer's metrics.jsonl records and final.json (None: none)."""
     from p2p_diloco.config import load_config
     from p2p_diloco.data import DataPipeline
     from p2p_diloco.model import build_model
     from p2p_diloco.simulate import wire_bytes_sent
 
-    by_step: dict[int, set[str]] = {}
+    by_step: dict[int, Counter[str]] = {}
     ends: list[float] = []
     for recs in records:
         for r in recs:
             if not r.get("lost") and r["decision"] in COUNTED:
-                by_step.setdefault(r["outer_step"], set()).add(r["checksum"])
+                by_step.setdefault(r["outer_step"], Counter())[r["checksum"]] += 1
                 ends.append(r["time"])
+    # counted on a lineage the swarm then left: not the most common state of their round (a split's minority)
+    off_majority = sum(sum(c.values()) - c.most_common(1)[0][1] for c in by_step.values())
+    finals = finals or [None] * len(records)
+    ended = [f["checksum"] if f else recs[-1]["checksum"] for recs, f in zip(records, finals, strict=True) if f or recs]
     trained = sum(len(recs) for recs in records)
     lost = sum(1 for recs in records for r in recs if r.get("lost") or r["decision"] == "local_step")
     counted = [r for recs in records for r in recs if not r.get("lost") and r["group_size"] > 1]
@@ -232,8 +245,11 @@ def summarize(
         "peer_rounds_trained": trained,
         "lost_peer_rounds": lost,
         "lost_share": lost / trained if trained else None,
+        "off_majority_peer_rounds": off_majority,
+        "lost_or_off_majority_share": (lost + off_majority) / trained if trained else None,
         "states_per_round": {str(k): len(v) for k, v in sorted(by_step.items())},
-        "final_states": len({recs[-1]["checksum"] for recs in records if recs}),
+        "final_states": len(set(ended)),
+        "healed_at_end": sum(1 for f in finals if f and "healed_from" in f),
         "group_sizes": sorted({r["group_size"] for recs in records for r in recs}),
         "groups_per_round": sorted({r.get("groups", 1) for r in counted}),
         "median_bytes_sent": statistics.median(r["bytes_sent"] for r in counted) if counted else None,
@@ -242,6 +258,15 @@ def summarize(
         "cpu_seconds": cpu,
         "cpu_per_peer_round": sum(cpu.values()) / trained if trained else None,
     }
+
+
+def _read_final(path: Path) -> dict[str, Any] | None:
+    """A peer's final.json (the state it ended on), or None when it wrote none (it failed) or it is unreadable."""
+    try:
+        final = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return final if isinstance(final, dict) and isinstance(final.get("checksum"), str) else None
 
 
 def drive(args: argparse.Namespace) -> dict[str, Any]:
@@ -307,10 +332,11 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         for p in [*hosts, boot]:
             p.kill_group()
     records = [read_jsonl(workdir / f"peer{k}" / "metrics.jsonl") for k in range(args.peers)]
+    finals = [_read_final(workdir / f"peer{k}" / "final.json") for k in range(args.peers)]
     cpu: dict[str, float] = {}
     for name, seconds in cpu_seen.values():
         cpu[name] = round(cpu.get(name, 0.0) + seconds, 1)
-    out = summarize(args, records, dht_calls, cpu)
+    out = summarize(args, records, dht_calls, cpu, finals)
     out.update(
         peers=args.peers,
         group=args.group,
