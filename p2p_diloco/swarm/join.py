@@ -406,8 +406,18 @@ class Membership(Announcements):
     def finishing(self, last_round: int) -> bool:
         """Whether a live mate with our settings still averages and holds a state at ``last_round`` - 1 or later: its
         last round may still end, on our lineage or on another (a split that only the heal at the end of a run mends).
-        A mate further behind is not waited for, nor one whose run is over (``done``)."""
-        return any(_averages(v) and (tags := _tags_of(v)) and tags[-1].round >= last_round - 1 for v in self.mates())
+        A mate further behind is not waited for, nor one whose run is over (``done``), nor one that fell silent in a
+        failed attempt's vote and said nothing since (``suspect``: killed, most likely)."""
+        for peer, v in self.others().items():
+            if v.get("fingerprint") != self.fingerprint or not _averages(v):
+                continue
+            silent_since = self._silent.get(peer, self._suspects.get(peer))
+            if silent_since is not None and v.get("ready_at", 0.0) <= silent_since:
+                continue
+            tags = _tags_of(v)
+            if tags and tags[-1].round >= last_round - 1:
+                return True
+        return False
 
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
