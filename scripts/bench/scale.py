@@ -9,9 +9,12 @@ Each peer is a real TrainingPeer (swarm/peer.py: its DHT node, its averager with
 and vote, its announcements, state downloads, healing), only lighter: its DHT node and averager run as threads of a
 host process (swarm/in_thread.py, ``--per-process`` peers per process sharing one DataPipeline) and its model is a
 micro Llama (hidden 16, one layer: ~10k parameters, tiny tensors) taking ``--h`` steps of 2 x 16 tokens a round.
-Every peer keeps its own p2pd (a libp2p identity is one daemon). A bootstrap node starts first; round 1 waits until
-every peer is up (swarm.start_peers). Figures, from every peer's metrics.jsonl and the hosts' counters, written
-under ``--case`` (default: the peer count) into scripts/bench/results/scale.json (``--out`` elsewhere):
+Every peer keeps its own p2pd (a libp2p identity is one daemon). A bootstrap node starts first, then the host
+processes one after another, each once the previous one's peers are up (all at once, 128 peers overloaded the machine
+at start: load 262, p2pd connects to the bootstrap node timed out); a peer that fails before joining starts once more
+(``start_retries``). Round 1 waits until every peer is up (swarm.start_peers). Figures, from every peer's
+metrics.jsonl and final.json and the hosts' counters, written under ``--case`` (default: the peer count) into
+scripts/bench/results/scale.json (``--out`` elsewhere):
     rounds_per_minute     rounds applied per minute of the run, from the first round's end to the last's
     lost_share            peer-rounds trained whose Δ moved no state (lost records, local steps) / all trained
     states_per_round      per outer step, distinct checksums among the peers' counted records (1: one state)
@@ -61,6 +64,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 DEFAULTS = {"peers": 16, "group": 16, "per_process": 8, "rounds": 4, "h": 3, "timeout": 1500.0}
 SMOKE = {"peers": 6, "group": 3, "per_process": 3, "rounds": 2, "h": 2, "timeout": 400.0}
 COUNTED = ("apply", "catch_up")
+START_RETRIES = 1  # a peer that fails before joining (p2pd could not reach the bootstrap node in time) starts again
 MICRO = [
     "model.hidden_size=16",
     "model.num_layers=1",
@@ -113,6 +117,7 @@ def host(args: argparse.Namespace) -> int:
 
     from p2p_diloco.config import load_config
     from p2p_diloco.data import DataPipeline
+    from p2p_diloco.swarm import peer as peer_module
     from p2p_diloco.swarm.peer import PeerOptions, TrainingPeer
     from p2p_diloco.threads import apply_threads
 
@@ -151,10 +156,21 @@ def host(args: argparse.Namespace) -> int:
         import p2p_diloco.swarm.dht as dht_module
 
         dht_module.NODE_POLICY = json.loads(args.dht_policy)
+    if args.p2pd_memory_limit:  # the p2pd daemons inherit it: Go's soft memory limit
+        os.environ["GOMEMLIMIT"] = args.p2pd_memory_limit
     cfg = load_config(TINY, json.loads(args.sets))
     apply_threads(1)
     data = DataPipeline(cfg.data, cfg.seed)
     results: dict[int, str] = {}
+    up = threading.Semaphore(0)  # released per peer: when it waits for the others (swarm.start_peers) or gave up
+    retried: list[int] = []
+    waits = peer_module.wait_for_start_peers
+
+    def wait_for_start_peers(*a: Any, **kw: Any) -> None:
+        up.release()
+        waits(*a, **kw)
+
+    peer_module.wait_for_start_peers = wait_for_start_peers
 
     def run(k: int) -> None:
         opts = PeerOptions(
@@ -164,11 +180,21 @@ def host(args: argparse.Namespace) -> int:
             client_mode=False,
             in_thread=True,
         )
-        try:
-            results[k] = str(TrainingPeer(cfg, opts, data).run())
-        except Exception as exc:  # noqa: BLE001 - reported by the host, the others go on
-            results[k] = f"{type(exc).__name__}: {exc}"
-            logging.getLogger("p2p_diloco").error("peer %d failed: %s", k, results[k])  # now, not at the end
+        for attempt in range(1 + START_RETRIES):
+            peer = TrainingPeer(cfg, opts, data)
+            try:
+                results[k] = str(peer.run())
+                return
+            except Exception as exc:  # noqa: BLE001 - reported by the host, the others go on
+                results[k] = f"{type(exc).__name__}: {exc}"
+                if peer.guard is None and attempt < START_RETRIES:  # it failed before joining: start it again
+                    retried.append(k)
+                    logging.getLogger("p2p_diloco").warning("peer %d failed to start (%s); again", k, results[k])
+                    continue
+                if peer.guard is None:
+                    up.release()
+                logging.getLogger("p2p_diloco").error("peer %d failed: %s", k, results[k])  # now, not at the end
+                return
 
     threads = [
         threading.Thread(target=run, args=(k,), name=f"peer{k}") for k in range(args.first, args.first + args.count)
@@ -176,9 +202,12 @@ def host(args: argparse.Namespace) -> int:
     for t in threads:
         t.start()
         time.sleep(0.5)  # p2pd start-ups one after the other
+    for _ in threads:
+        up.acquire()
+    print("HOSTUP", flush=True)  # the driver starts the next host process now
     for t in threads:
         t.join()
-    print("HOST " + json.dumps({"results": results, "dht_calls": calls}), flush=True)
+    print("HOST " + json.dumps({"results": results, "dht_calls": calls, "start_retries": retried}), flush=True)
     return 0 if all(r == "0" for r in results.values()) else 1
 
 
@@ -291,10 +320,13 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
     problem, started = "", time.monotonic()
     dht_calls = {"get": 0, "store": 0, "find_rpc": 0, "store_rpc": 0}
+    start_retries = 0
     try:
         initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
         threading.Thread(target=sample, daemon=True).start()
         for first in range(0, args.peers, args.per_process):
+            if hosts:  # one host process's peers start at a time: all at once overloaded the machine at 128
+                hosts[-1].wait_for_line(r"^HOSTUP", timeout=max(1.0, args.timeout - (time.monotonic() - started)))
             count = min(args.per_process, args.peers - first)
             hosts.append(
                 Proc(
@@ -312,6 +344,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                         sets,
                         *(["--matchmaking-log"] if args.matchmaking_log else []),
                         *(["--dht-policy", args.dht_policy] if args.dht_policy else []),
+                        *(["--p2pd-memory-limit", args.p2pd_memory_limit] if args.p2pd_memory_limit else []),
                         "--initial",
                         *initial,
                     ]
@@ -322,6 +355,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             report = json.loads(line.string[5:])
             for key, value in report["dht_calls"].items():
                 dht_calls[key] += value
+            start_retries += len(report["start_retries"])
             bad = {k: r for k, r in report["results"].items() if r != "0"}
             if bad:
                 problem += f"peers {bad}; "
@@ -345,6 +379,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         h=args.h,
         sets=args.set,
         dht_policy=args.dht_policy,
+        p2pd_memory_limit=args.p2pd_memory_limit,
+        start_retries=start_retries,
         seconds=round(time.monotonic() - started, 1),
         memory={
             "machine_peak_bytes": peak[0],
@@ -371,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help=f"a short check of this script: {SMOKE}")
     p.add_argument("--matchmaking-log", action="store_true", help="hivemind's matchmaking at debug level in host*.log")
     p.add_argument("--dht-policy", help="JSON: the peers' DHT node cache settings instead of dht.NODE_POLICY")
+    p.add_argument("--p2pd-memory-limit", help="GOMEMLIMIT for the peers' p2pd, e.g. 24MiB (default none)")
     p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--first", type=int, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
