@@ -198,6 +198,26 @@ def test_a_peer_on_the_smaller_lineage_of_a_split_moves_to_the_larger_one():
 
 
 @pytest.mark.timeout(60)
+def test_a_peer_that_left_a_lineage_vouches_only_for_the_one_it_took():
+    """Of a split's minority, one peer heals before the other: if it still vouched for the lineage it left, its
+    history would hold both lineages' states, join them into one for every reader, and the other would see no split
+    left to heal (seen at 64 harness peers: a minority that healed one peer at a time)."""
+    cfg = load_config(TINY, ["swarm.state_quorum=1"])
+    with _three_members(cfg) as ((reader, first, second), _):
+        s0, a1, b1 = (RoundTag(r, x * 16) for r, x in ((0, "0"), (1, "a"), (1, "b")))
+        for member, history in ((reader, [s0, a1]), (first, [s0, a1]), (second, [s0, b1])):
+            for tag in history:
+                assert member.announce(tag)
+        assert reader.canonical(a1) is None and second.canonical(b1) == a1  # a: 2 against 1
+        first.left_lineage()  # first moves to b (say, it read another split) and announces it
+        assert first.announce(b1) and first.states == [b1]
+        assert reader.canonical(a1) == b1  # b: 2 against 1, and the split is still seen
+        first.states = [s0, a1, b1]  # had it kept vouching for a1, the two lineages would read as one
+        assert first.announce(b1)
+        assert reader.canonical(a1) is None
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_waits_at_the_end_only_for_mates_whose_last_round_may_still_end():
     """``finishing(R)``: a live mate that still averages and holds round R - 1 or later may still end its last round
     (on another lineage: the end-of-run heal waits for it); one further behind, or done, is not waited for."""

@@ -213,6 +213,14 @@ class Membership(Announcements):
             }
         return self._store(value, wait)
 
+    def left_lineage(self) -> None:
+        """We took a state of another lineage (a split's canonical one): from our next announcement on we vouch for it
+        only, not for the tags of the lineage we left. Vouching for both would join the two lineages into one in every
+        reader's eyes (lineage.py: a peer whose history holds another's state is on its lineage), and the peers still
+        on the one we left would see no split to heal."""
+        with self._lock:
+            self.states = []
+
     def expect_ready(self, ready_at: float, patience: float | None = None) -> None:
         """Announce when our current inner steps will end (DHT time), without waiting for the DHT; ``patience``:
         how much later than our own end a mate may be ready and still be waited for (at most half of

@@ -330,7 +330,11 @@ class TrainingPeer:
         if target is None:
             return False
         log.warning("the swarm split: more peers hold the lineage of %s than ours (%s); taking it", target, mine)
-        return self.sync.take(target, "moving to the swarm's canonical lineage")
+        if not self.sync.take(target, "moving to the swarm's canonical lineage"):
+            return False
+        self.members.left_lineage()
+        self.members.announce(self.sync.tag(), wait=False)
+        return True
 
     def _align(self) -> None:
         """After this peer took the swarm's state (it joined, or resynced), end its next round's inner steps with its
@@ -404,6 +408,7 @@ class TrainingPeer:
                 log.warning("the run ended split: more peers hold the lineage of %s than ours (%s)", target, mine)
                 if self.sync.take(target, "the run ended split: moving to the canonical lineage"):
                     left = left or mine
+                    self.members.left_lineage()
                     self.members.announce(self.sync.tag(), wait=True)
                     self._checkpoint()
                     continue
