@@ -54,6 +54,7 @@ the same name and vocabulary are taken to be the same.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -141,7 +142,8 @@ def _data_fields(cfg: Config, data: DataPipeline) -> dict[str, Any]:
 
 def swarm_fingerprint(cfg: Config, model: torch.nn.Module, data: DataPipeline) -> tuple[str, dict[str, Any]]:
     """(12 hex digits, summary) of everything two peers must share to average together; see the module doc."""
-    if data.cfg != cfg.data or data.seed != cfg.seed:
+    built_alike = dataclasses.replace(data.cfg, shard_index=cfg.data.shard_index) == cfg.data  # it holds every shard
+    if not built_alike or data.seed != cfg.seed:
         raise ValueError("swarm_fingerprint needs the DataPipeline built from cfg.data and cfg.seed")
     tok = data.tokenizer
     summary: dict[str, Any] = {"protocol": PROTOCOL_VERSION, **_model_fields(cfg, model)}

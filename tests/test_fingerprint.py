@@ -197,6 +197,15 @@ def test_a_pipeline_built_from_other_settings_is_refused() -> None:
         swarm_fingerprint(other, MODEL, DataPipeline(cfg.data, cfg.seed))
 
 
+def test_one_pipeline_serves_peers_that_train_different_shards() -> None:
+    """A pipeline holds every shard, so peers in one process (the scale harness) share it whatever shard each takes."""
+    cfg = load_config(TINY, ["data.num_shards=4"])
+    data = DataPipeline(cfg.data, cfg.seed)
+    fingerprints = {swarm_fingerprint(load_config(TINY, ["data.num_shards=4", f"data.shard_index={k}"]), MODEL, data)[0]
+                    for k in range(4)}  # fmt: skip
+    assert fingerprints == {swarm_fingerprint(cfg, MODEL, data)[0]}
+
+
 # ------------------------------------------------------------------ the tokenizer's vocabulary
 def save_tokenizer(where: Path, words: list[str]) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -50,14 +50,26 @@ def test_scale_smoke_ends_every_round_on_one_state(tmp_path: Path) -> None:
     assert 0.9 < case["median_bytes_over_bound"] < 1.5, case
 
 
+SPLIT_TRIES = 3  # runs of the split case until its one round splits
+
+
 @pytest.mark.swarm
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(SPLIT_TRIES * DEADLINE + 60)
 def test_a_run_whose_last_round_split_ends_on_one_state(tmp_path: Path) -> None:
-    """4 peers, one round, rounds capped at 2 peers: the last (only) round splits into two lineages, and no later round
-    heals it. The peers on the lineage that is not canonical (2 and 2: the smaller checksum) take the other's state at
-    the end (final.json says so); before the end-of-run heal, the run ended on 2 states."""
+    """4 peers, each on its own shard, one round, rounds capped at 2 peers: the last (only) round splits into two
+    lineages, and no later round heals it. The peers on the lineage that is not canonical (2 and 2: the smaller
+    checksum) take the other's state at the end (final.json says so); before the end-of-run heal, the run ended on 2
+    states. The cap does not always split the round: matchmaking may pair 2 peers and leave the other 2 without a
+    group (seen once in CI: 2 lost, 1 state), so the case runs again, up to SPLIT_TRIES times, until it splits; every
+    run must end on one state."""
     sets = ["--set", "swarm.max_round_peers=2"]
-    case = _harness(tmp_path / "scale.json", "--peers", "4", "--group", "2", "--per-process", "4", "--rounds", "1",
-                    "--h", "2", "--timeout", "400", *sets)  # fmt: skip
-    assert case["states_per_round"]["1"] >= 2, case  # the round split (the cap makes two rounds of two)
-    assert case["final_states"] == 1 and case["healed_at_end"] >= 1, case
+    runs = []
+    for attempt in range(SPLIT_TRIES):
+        case = _harness(tmp_path / f"scale{attempt}.json", "--peers", "4", "--group", "2", "--per-process", "4",
+                        "--rounds", "1", "--h", "2", "--timeout", "400", *sets)  # fmt: skip
+        assert case["final_states"] == 1, case
+        runs.append({k: case[k] for k in ("states_per_round", "lost_peer_rounds", "final_states", "healed_at_end")})
+        if case["states_per_round"].get("1", 0) >= 2:  # the round split (the cap makes two rounds of two)
+            assert case["healed_at_end"] >= 1, case
+            return
+    pytest.fail(f"the round did not split in {SPLIT_TRIES} runs, so the heal was not exercised: {runs}")

@@ -41,6 +41,7 @@ group is killed at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -180,8 +181,9 @@ def host(args: argparse.Namespace) -> int:
             client_mode=False,
             in_thread=True,
         )
+        own = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shard_index=k))  # one shard per peer
         for attempt in range(1 + START_RETRIES):
-            peer = TrainingPeer(cfg, opts, data)
+            peer = TrainingPeer(own, opts, data)
             try:
                 results[k] = str(peer.run())
                 return
