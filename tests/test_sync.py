@@ -194,20 +194,3 @@ def test_serving_copies_the_state_once_per_version():
     sync.apply_outer([torch.zeros_like(t) for t in worker.state.anchor], consensus=True)
     moved = sync.serve()
     assert moved[0]["round"] == 1 and moved[1][0] is not first[1][0]
-
-
-def test_on_change_says_whether_the_state_came_from_other_peers():
-    """The peer restarts the history it vouches for when a state came from others (peer.py, Membership.left_lineage):
-    a download and catch-up's group state say so, our own outer step does not."""
-    worker, _, _ = _setup({}, Vouches())
-    swarm = _trained(worker, 3)
-    worker, _, sync = _setup(
-        {"a": _served(swarm), "b": _served(swarm)}, _vouch(a=(_tag(swarm), []), b=(_tag(swarm), []))
-    )
-    changes = []
-    sync.on_change = changes.append
-    zeros = [torch.zeros_like(t) for t in worker.state.anchor]
-    sync.apply_outer(zeros, consensus=True)  # our own round 1
-    assert sync.catch_up(_tag(swarm), zeros) and worker.state.round == 4  # the group's round-3 state, Δ̄ applied
-    assert sync.take(_tag(swarm), "a test") and _tag(worker.state) == _tag(swarm)
-    assert changes == [False, True, True]

@@ -214,11 +214,10 @@ class Membership(Announcements):
         return self._store(value, wait)
 
     def left_lineage(self) -> None:
-        """We took a state from other peers (a download: join, resync, catch-up, a split's canonical lineage; the
-        training peer calls this on every one): from our next announcement on we vouch for it only, not for the tags
-        we held before, which may be of another lineage. Vouching for both would join the two lineages into one in
-        every reader's eyes (lineage.py: a peer whose history holds another's state is on its lineage), and the peers
-        still on the one we left would see no split to heal."""
+        """We took a state of another lineage (a split's canonical one): from our next announcement on we vouch for it
+        only, not for the tags of the lineage we left. Vouching for both would join the two lineages into one in every
+        reader's eyes (lineage.py: a peer whose history holds another's state is on its lineage), and the peers still
+        on the one we left would see no split to heal."""
         with self._lock:
             self.states = []
 

@@ -209,7 +209,7 @@ class TrainingPeer:
             quorum=s.state_quorum,
         )
         # vouch for a new state as soon as it is hashed (in the background: the next inner steps need not wait)
-        sync.on_change = self._state_changed
+        sync.on_change = lambda: worker.tag_soon().add_done_callback(self._vouch)
         threading.Thread(target=self._heartbeat, name="announcements", daemon=True).start()
         first_state(worker, sync, members, cfg, self.opts)
         wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
@@ -298,19 +298,10 @@ class TrainingPeer:
         finally:
             close()
 
-    def _state_changed(self, adopted: bool) -> None:
-        """After every change of the outer state: announce its tag once hashed. A state taken from other peers (join,
-        resync, catch-up, a split's heal, roll back) restarts the history we vouch for (Membership.left_lineage): the
-        tags we held before may be of another lineage, and vouching for them beside it would join the two."""
-        if adopted:
-            self.members.left_lineage()
-        self.worker.tag_soon().add_done_callback(self._vouch)
-
     def _vouch(self, hashed: Future) -> None:
-        """Announce the state ``hashed`` is the tag of, if it is still ours (called where its hashing ended): not the
-        tag of a state replaced meanwhile, even one of the same round (a heal's)."""
+        """Announce the state ``hashed`` is the tag of, if it is still ours (called where its hashing ended)."""
         tag = hashed.result()
-        if self.worker.cached_tag() == tag:
+        if self.worker.state.round == tag.round:
             self.members.announce(tag, wait=False)
 
     def _announce_ready(self, done: int, pace: float) -> None:
@@ -341,7 +332,8 @@ class TrainingPeer:
         log.warning("the swarm split: more peers hold the lineage of %s than ours (%s); taking it", target, mine)
         if not self.sync.take(target, "moving to the swarm's canonical lineage"):
             return False
-        self.members.announce(self.sync.tag(), wait=False)  # at once: the rest of our lineage reads it next
+        self.members.left_lineage()
+        self.members.announce(self.sync.tag(), wait=False)
         return True
 
     def _align(self) -> None:
@@ -416,6 +408,7 @@ class TrainingPeer:
                 log.warning("the run ended split: more peers hold the lineage of %s than ours (%s)", target, mine)
                 if self.sync.take(target, "the run ended split: moving to the canonical lineage"):
                     left = left or mine
+                    self.members.left_lineage()
                     self.members.announce(self.sync.tag(), wait=True)
                     self._checkpoint()
                     continue

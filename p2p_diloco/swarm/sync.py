@@ -4,9 +4,8 @@ Inputs:  the Worker whose OuterState this guards; the averager (``manifest`` and
          download.py; it serves ``serve``'s output to others); this run's fingerprint; ``swarm.state_timeout``;
          a callable that says whether other peers of the run are about; ``vouches``: what the run's signed
          announcements say (join.py: which peer holds which (round, checksum) now, and which it held in its last
-         rounds); ``swarm.state_quorum``; ``on_change(adopted)``, called after every change of the state (the peer
-         announces the new tag at once, so others may vouch for it), ``adopted`` when the state came from other
-         peers (a download; catch-up's group state with Δ̄ applied) rather than from our own outer step.
+         rounds); ``swarm.state_quorum``; ``on_change``, called after every change of the state (the peer announces
+         the new tag at once, so others may vouch for it).
 Output:  ``serve`` (the snapshot other peers download), ``fetch(wanted)`` (the one download path: the furthest state
          that ``state_quorum`` peers, or all there are when fewer, vouch for, or our own, in pieces from its holders
          in parallel: download.py; ``fetch_vouched`` is that path without a worker, which the monitor's samples take
@@ -145,11 +144,11 @@ class StateSync:
         peers_present: Callable[[], bool],
         vouches: Callable[[], Vouches] = Vouches,
         quorum: int = 2,
-        on_change: Callable[[bool], None] | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.worker, self.averager, self.fingerprint, self.timeout = worker, averager, fingerprint, timeout
         self.peers_present, self.vouches, self.quorum = peers_present, vouches, quorum
-        self.on_change = on_change or (lambda adopted: None)
+        self.on_change = on_change or (lambda: None)
         self._served: tuple[int, dict[str, Any], list[torch.Tensor]] | None = None  # (version, meta, tensors)
         self.lock = threading.Lock()
         self.consensus = True  # the seed, a checkpoint or a download: nothing local-only yet
@@ -218,7 +217,7 @@ class StateSync:
             self.consensus = offer.consensus
             self.version += 1
             self.adopted += 1
-        self.on_change(True)
+        self.on_change()
         log.info("%s: took the outer state at %s", why, offer.tag)
 
     def apply_outer(self, averaged: list[torch.Tensor], consensus: bool) -> float:
@@ -227,7 +226,7 @@ class StateSync:
             lr = self.worker.apply_outer(averaged)
             self.consensus = consensus
             self.version += 1
-        self.on_change(False)
+        self.on_change()
         return lr
 
     def download(self, newer_than: int = -1) -> bool:
@@ -265,7 +264,7 @@ class StateSync:
                 self.version += 1
                 self.worker.apply_outer(averaged)
                 self.consensus = True
-            self.on_change(True)
+            self.on_change()
             return True
         if offer.state.round == group.round + 1:
             self.adopt(offer, "catch up")
