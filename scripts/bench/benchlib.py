@@ -56,6 +56,7 @@ __all__ = [
     "Proc",
     "Recorder",
     "descendants",
+    "ended_on",
     "exit_on_sigterm",
     "fill_defaults",
     "free_port",
@@ -63,6 +64,7 @@ __all__ = [
     "machine",
     "median",
     "proc_memory",
+    "read_final",
     "row",
     "single_thread_env",
     "start_swarm",
@@ -391,3 +393,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_final(path: Path) -> dict[str, Any] | None:
+    """A peer's final.json (the state it ended on), or None when it wrote none (it failed) or it is unreadable."""
+    try:
+        final = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return final if isinstance(final, dict) and isinstance(final.get("checksum"), str) else None
+
+
+def ended_on(records: list[list[dict[str, Any]]], finals: list[dict[str, Any] | None]) -> list[str]:
+    """The checksum each peer ended on: its final.json's (the end-of-run heal may move a peer after its last
+    metrics record), else its last record's; peers with neither are left out."""
+    return [f["checksum"] if f else recs[-1]["checksum"] for recs, f in zip(records, finals, strict=True) if f or recs]

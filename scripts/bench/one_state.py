@@ -11,7 +11,9 @@ Each case starts a bootstrap and ``--peers`` tiny-preset peers (one shard each, 
 and reads every peer's metrics.jsonl (every round a peer trains is a line: counted, or lost with its decision). Per
 case, written under its name into scripts/bench/results/one_state.json (``--out`` elsewhere):
     states_per_round      per outer step, how many distinct checksums the peers' counted records hold
-    final_states          distinct checksums among the peers' last records
+    final_states          distinct checksums the peers ended on (final.json: after the end-of-run heal; else the
+                          last record's)
+    healed_at_end         peers that took the canonical lineage's state after their last round
     lost_peer_rounds      rounds a peer trained whose Δ moved no state that survived: lost records and local steps,
                           as a share of all peer-rounds trained
     contributed           per peer, the rounds whose Δ counted in a group of 2 or more (apply, catch_up)
@@ -39,10 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
     RESULTS_DIR,
     Proc,
+    ended_on,
     exit_on_sigterm,
     fill_defaults,
     log_tail,
     proc_memory,
+    read_final,
     read_jsonl,
     single_thread_env,
 )
@@ -66,8 +70,8 @@ def machine_memory(pids: list[int]) -> tuple[int, int]:
     return rss, pss
 
 
-def summarize(records: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """The case's figures (module doc) from each peer's metrics.jsonl records."""
+def summarize(records: list[list[dict[str, Any]]], finals: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The case's figures (module doc) from each peer's metrics.jsonl records and final.json (None: none)."""
     by_step: dict[int, set[str]] = {}
     groups: dict[int, int] = {}
     for recs in records:
@@ -80,7 +84,8 @@ def summarize(records: list[list[dict[str, Any]]]) -> dict[str, Any]:
     sent = [r["bytes_sent"] for recs in records for r in recs if r["group_size"] > 1 and not r.get("lost")]
     return {
         "states_per_round": {str(k): len(v) for k, v in sorted(by_step.items())},
-        "final_states": len({recs[-1]["checksum"] for recs in records if recs}),
+        "final_states": len(set(ended_on(records, finals))),
+        "healed_at_end": sum(1 for f in finals if f and "healed_from" in f),
         "peer_rounds_trained": trained,
         "lost_peer_rounds": lost,
         "lost_share": lost / trained if trained else None,
@@ -149,7 +154,7 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if args.keep is not None:  # every peer's stderr beside its metrics
             for k, p in zip(order, procs, strict=False):
                 (dirs[k] / "stderr.log").write_text(p.stderr)
-    out = summarize([read_jsonl(d / "metrics.jsonl") for d in dirs])
+    out = summarize([read_jsonl(d / "metrics.jsonl") for d in dirs], [read_final(d / "final.json") for d in dirs])
     out.update(peers=args.peers, group=args.group, rounds=args.rounds, sets=args.set, late=args.late)
     out.update(
         client=args.client, peak_rss_bytes=peak[0], peak_pss_bytes=peak[1], seconds=round(time.monotonic() - started, 1)

@@ -55,7 +55,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import RESULTS_DIR, Proc, exit_on_sigterm, fill_defaults, proc_memory, read_jsonl  # noqa: E402
+from benchlib import (  # noqa: E402
+    RESULTS_DIR,
+    Proc,
+    ended_on,
+    exit_on_sigterm,
+    fill_defaults,
+    proc_memory,
+    read_final,
+    read_jsonl,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -261,7 +270,7 @@ def summarize(
     # counted on a lineage the swarm then left: not the most common state of their round (a split's minority)
     off_majority = sum(sum(c.values()) - c.most_common(1)[0][1] for c in by_step.values())
     finals = finals or [None] * len(records)
-    ended = [f["checksum"] if f else recs[-1]["checksum"] for recs, f in zip(records, finals, strict=True) if f or recs]
+    ended = ended_on(records, finals)
     trained = sum(len(recs) for recs in records)
     lost = sum(1 for recs in records for r in recs if r.get("lost") or r["decision"] == "local_step")
     counted = [r for recs in records for r in recs if not r.get("lost") and r["group_size"] > 1]
@@ -289,15 +298,6 @@ def summarize(
         "cpu_seconds": cpu,
         "cpu_per_peer_round": sum(cpu.values()) / trained if trained else None,
     }
-
-
-def _read_final(path: Path) -> dict[str, Any] | None:
-    """A peer's final.json (the state it ended on), or None when it wrote none (it failed) or it is unreadable."""
-    try:
-        final = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return final if isinstance(final, dict) and isinstance(final.get("checksum"), str) else None
 
 
 def drive(args: argparse.Namespace) -> dict[str, Any]:
@@ -368,7 +368,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         for p in [*hosts, boot]:
             p.kill_group()
     records = [read_jsonl(workdir / f"peer{k}" / "metrics.jsonl") for k in range(args.peers)]
-    finals = [_read_final(workdir / f"peer{k}" / "final.json") for k in range(args.peers)]
+    finals = [read_final(workdir / f"peer{k}" / "final.json") for k in range(args.peers)]
     cpu: dict[str, float] = {}
     for name, seconds in cpu_seen.values():
         cpu[name] = round(cpu.get(name, 0.0) + seconds, 1)
