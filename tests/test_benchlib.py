@@ -46,7 +46,7 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short(tmp_path: Path) -> None
 def test_a_peer_ended_on_its_final_json_state_else_its_last_record_s(tmp_path: Path) -> None:
     """The end-of-run heal moves a peer after its last metrics record: final.json says where it ended."""
     sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    from benchlib import ended_on, read_final
+    from benchlib import ended_on, healed_at_end, read_final
 
     (tmp_path / "healed.json").write_text('{"round": 3, "checksum": "aa", "healed_from": [3, "bb"]}')
     (tmp_path / "garbled.json").write_text("{not json")
@@ -55,3 +55,4 @@ def test_a_peer_ended_on_its_final_json_state_else_its_last_record_s(tmp_path: P
     assert finals[0] == {"round": 3, "checksum": "aa", "healed_from": [3, "bb"]} and finals[1:] == [None, None, None]
     records = [[{"checksum": "bb"}], [{"checksum": "aa"}], [{"checksum": "x"}, {"checksum": "cc"}], []]
     assert ended_on(records, finals) == ["aa", "aa", "cc"]  # the last peer wrote nothing: left out
+    assert healed_at_end(finals) == 1

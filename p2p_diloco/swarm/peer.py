@@ -330,10 +330,15 @@ class TrainingPeer:
         if target is None:
             return False
         log.warning("the swarm split: more peers hold the lineage of %s than ours (%s); taking it", target, mine)
-        if not self.sync.take(target, "moving to the swarm's canonical lineage"):
+        return self._take_lineage(target, "moving to the swarm's canonical lineage", wait=False)
+
+    def _take_lineage(self, target: RoundTag, why: str, wait: bool) -> bool:
+        """Take ``target``, a state of another lineage, and announce it at once, vouching for it alone
+        (Membership.left_lineage); whether the swarm offered it. ``wait``: until a DHT node stored the announcement."""
+        if not self.sync.take(target, why):
             return False
         self.members.left_lineage()
-        self.members.announce(self.sync.tag(), wait=False)
+        self.members.announce(self.sync.tag(), wait=wait)
         return True
 
     def _align(self) -> None:
@@ -406,10 +411,8 @@ class TrainingPeer:
             target = self.members.canonical(mine, counting_done=True)
             if target is not None:
                 log.warning("the run ended split: more peers hold the lineage of %s than ours (%s)", target, mine)
-                if self.sync.take(target, "the run ended split: moving to the canonical lineage"):
+                if self._take_lineage(target, "the run ended split: moving to the canonical lineage", wait=True):
                     left = left or mine
-                    self.members.left_lineage()
-                    self.members.announce(self.sync.tag(), wait=True)
                     self._checkpoint()
                     continue
             elif not self.members.finishing(mine.round):

@@ -60,6 +60,7 @@ __all__ = [
     "exit_on_sigterm",
     "fill_defaults",
     "free_port",
+    "healed_at_end",
     "load_now",
     "machine",
     "median",
@@ -408,3 +409,8 @@ def ended_on(records: list[list[dict[str, Any]]], finals: list[dict[str, Any] | 
     """The checksum each peer ended on: its final.json's (the end-of-run heal may move a peer after its last
     metrics record), else its last record's; peers with neither are left out."""
     return [f["checksum"] if f else recs[-1]["checksum"] for recs, f in zip(records, finals, strict=True) if f or recs]
+
+
+def healed_at_end(finals: list[dict[str, Any] | None]) -> int:
+    """How many peers took the canonical lineage's state after their last round (final.json's ``healed_from``)."""
+    return sum(1 for f in finals if f and "healed_from" in f)

@@ -44,6 +44,7 @@ from benchlib import (  # noqa: E402
     ended_on,
     exit_on_sigterm,
     fill_defaults,
+    healed_at_end,
     log_tail,
     proc_memory,
     read_final,
@@ -85,7 +86,7 @@ def summarize(records: list[list[dict[str, Any]]], finals: list[dict[str, Any] |
     return {
         "states_per_round": {str(k): len(v) for k, v in sorted(by_step.items())},
         "final_states": len(set(ended_on(records, finals))),
-        "healed_at_end": sum(1 for f in finals if f and "healed_from" in f),
+        "healed_at_end": healed_at_end(finals),
         "peer_rounds_trained": trained,
         "lost_peer_rounds": lost,
         "lost_share": lost / trained if trained else None,
