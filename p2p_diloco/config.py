@@ -192,6 +192,12 @@ class SwarmConfig:
     # attacker: mean +24.5%, robust rules +2.5-2.7%). "mean" trusts every sender (closed runs, the old behaviour).
     aggregation: str = "median_filter"  # mean | median_filter | median_clip | centered_clip
     aggregation_clip: float = 2.0  # x the median part norm (median_*) or median distance to v0 (centered_clip)
+    # Direction floor (robust rules only, 3+ senders): a sender whose part has a cosine below min_cosine to the
+    # coordinate-wise median of the senders' parts counts 0 for that part. A sign-flipped Δ of honest size passes
+    # every norm bound; on tiny (4 workers) honest parts had cosine >= 0.63 to the median (IID) and >= 0.37 (by-label
+    # shards), a -1.9 x Δ sender <= -0.08: docs/robust_aggregation.md. 0 keeps any Δ that does not point against the
+    # swarm's; larger groups bring honest cosines down (the median is less of one's own), so no higher. -1: off.
+    min_cosine: float = 0.0
     dht_timeout: float = 10.0  # seconds one DHT read or write of a training peer may take; then "no answer"
     max_failed_rounds: int = 10  # failed rounds in a row (non-finite or an error) before checkpoint + exit 1
     rollback_after: int = 3  # non-finite rounds in a row from one outer state before rolling back from it
@@ -363,6 +369,7 @@ def _check_ranges(cfg: Config) -> None:
         s.aggregation_clip,
         "a finite number > 0",
     )
+    need(-1 <= s.min_cosine <= 1, "swarm.min_cosine", s.min_cosine, "in [-1, 1] (-1: off)")
     if s.aggregation == "median_filter":  # below 1 the median sender itself would count 0
         need(s.aggregation_clip >= 1, "swarm.aggregation_clip", s.aggregation_clip, ">= 1 for median_filter")
     need(s.dht_timeout > 0, "swarm.dht_timeout", s.dht_timeout, "> 0 seconds")

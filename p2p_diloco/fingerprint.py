@@ -25,7 +25,8 @@ Output:  :func:`swarm_fingerprint` -> (12 hex digits, summary). The summary is a
            data.num_shards, .partition, data.dirichlet_alpha (only with partition=dirichlet, the only method that
            reads it), data.eval_fraction, data.seq_len
            seed, inner.steps, inner.round_seconds, outer.lr, outer.momentum, outer.nesterov, outer.lr_warmup_rounds
-           swarm.aggregation, swarm.aggregation_clip   how the reducers bound each sender (robust.py)
+           swarm.aggregation, swarm.aggregation_clip, swarm.min_cosine
+                                         how the reducers bound each sender (robust.py)
            swarm.compression, swarm.part_size_bytes    the wire codec and the parts it encodes (codec.py)
            swarm.target_group_size                     how a round splits into groups (protocol.split_groups)
            swarm.max_staleness, swarm.staleness_decay  whose delayed Δ counts, and with what weight (protocol.py)
@@ -166,6 +167,7 @@ def swarm_fingerprint(cfg: Config, model: torch.nn.Module, data: DataPipeline) -
             "outer.lr_warmup_rounds": cfg.outer.lr_warmup_rounds,
             "swarm.aggregation": cfg.swarm.aggregation,
             "swarm.aggregation_clip": cfg.swarm.aggregation_clip,
+            "swarm.min_cosine": cfg.swarm.min_cosine,
             "swarm.compression": cfg.swarm.compression,
             "swarm.part_size_bytes": cfg.swarm.part_size_bytes,
             "swarm.target_group_size": cfg.swarm.target_group_size,

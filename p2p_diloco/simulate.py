@@ -317,6 +317,7 @@ def simulate(
         "aggregation": {
             "rule": cfg.swarm.aggregation if mode in ("diloco", "fedavg") else None,
             "clip": cfg.swarm.aggregation_clip,
+            "min_cosine": cfg.swarm.min_cosine,
             **agg_stats.as_dict(),
         },
     }
@@ -377,7 +378,7 @@ def _aggregate(
         return codec.roundtrip(mean)
 
     averaged = aggregate_flat(
-        deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats, scale, groups, carry
+        deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats, scale, groups, carry, s.min_cosine
     )
     return roundtrip_parts(averaged, codec, part_values)
 

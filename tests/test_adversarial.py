@@ -8,6 +8,7 @@ has a late joiner, which must join at the honest peers' state (and never at the 
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -70,6 +71,7 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
         "joined": joined,
         "reasons": [r["reduce_reason"] for d in dirs[:3] for r in records(d) if r.get("reduce_reason")],
         "attacker_output": attacker_output,
+        "honest_output": "\n".join(proc.describe() for proc in honest),
     }
 
 
@@ -90,6 +92,7 @@ def all_honest(tmp_path_factory) -> dict:
 
 ATTACKS = [  # the 1e6 x wire weight attacker of docs/trust.md runs in test_averager.py (the same reducer path)
     ("negate", "1000"),  # -1000 x its Δ
+    ("negate", "1.9"),  # -1.9 x its Δ: inside the norm bound (swarm.aggregation_clip 2), against the others' direction
     ("lie", "100"),  # a reducer returning -100 x its slice's average
     ("hijack", "1000"),  # a signed payload claiming a state 1000 rounds ahead
     ("garbage", "1"),  # malformed gather payloads, garbage under every DHT key the peers read
@@ -108,6 +111,11 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
         last = json.loads(floods[-1])
         assert last["refused"] > last["served"], last
         print("flood:", last)
+    if attack == ("negate", "1.9"):  # the honest reducers dropped it by direction, and named it alone
+        attacker = re.search(r"^peer (\S+) (?:reachable|runs)", attacked["attacker_output"], re.M).group(1)
+        lines = re.findall(r"part \d+: (\{.*?\}) point\(s\) against", attacked["honest_output"])
+        named = {peer for line in lines for peer in ast.literal_eval(line)}
+        assert named == {attacker}, (named, attacker)
     if attack[0] == "lie":
         assert any("returned an average too long to be one" in r for r in attacked["reasons"]), attacked["reasons"]
 

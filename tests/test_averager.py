@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from averager_worker import make_grads
+from conftest import TAIL_LINES
 
 from p2p_diloco.codec import Codec, roundtrip_parts
 from scripts.procs import Proc
@@ -59,7 +60,9 @@ class Worker:
 
 
 @pytest.fixture
-def spawn(tmp_path):
+def spawn(request, tmp_path):
+    """``spawn(name, **cfg) -> Worker``; every worker's process group is killed at teardown, and when the test
+    failed the tail of each one's output is printed (as conftest's ``spawn``)."""
     workers: list[Worker] = []
 
     def start(name: str, **cfg) -> Worker:
@@ -70,6 +73,10 @@ def spawn(tmp_path):
     yield start
     for worker in workers:
         worker.kill()
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for worker in workers:
+            print(f"\n===== {worker.name} of {request.node.name}\n{worker.proc.describe(TAIL_LINES)}", file=sys.stderr)
 
 
 def start_swarm(spawn, n: int, per_peer: dict[int, dict] | None = None, **cfg) -> list[Worker]:

@@ -15,6 +15,7 @@ from p2p_diloco.robust import (
     aggregate_counted,
     aggregate_flat,
     combine_groups,
+    cosines_to_median,
     max_round_tokens,
     trusted_weight,
 )
@@ -254,3 +255,46 @@ def test_combining_groups_drops_a_group_mean_far_longer_than_the_others():
     assert torch.equal(combine_groups([torch.ones(3)], [0.0], "mean", 2.0), torch.zeros(3))  # nothing counted
     one = torch.randn(5)
     assert torch.equal(combine_groups([one], [3.0], "median_filter", 2.0), one)  # one group: its mean, bitwise
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+def test_a_sign_flipped_sender_of_honest_size_counts_zero_by_direction_alone(rule):
+    """-Δ has exactly an honest norm, so no norm bound sees it; its cosine to the senders' median is negative and
+    the direction floor drops it: the result is the rule over the three honest senders, bitwise."""
+    honest = [_flat(v) for v in _senders(4, spread=1.0)]  # noise as large as the shared direction
+    parts = [-honest[0], *honest[1:]]
+    cosines = cosines_to_median(parts)
+    assert cosines[0] < 0 < min(cosines[1:])
+    stats = AggregateStats()
+    got = aggregate(parts, [1.0] * 4, rule, 2.0, stats, min_cosine=0.0)
+    assert torch.equal(got, aggregate(honest[1:], [1.0] * 3, rule, 2.0))
+    assert stats.excluded_direction == 1 and stats.min_cosine_kept == min(cosines[1:])
+    without = aggregate(parts, [1.0] * 4, rule, 2.0)  # off (-1): the flipped sender pulls the result back
+    honest_mean = sum(honest[1:]) / 3
+    assert float((without - honest_mean).norm()) > 10 * float((got - honest_mean).norm())
+
+
+def test_the_direction_floor_keeps_an_honest_group_and_judges_only_three_or_more_senders():
+    honest = [_flat(v) for v in _senders(4, spread=1.0)]
+    stats = AggregateStats()
+    assert torch.equal(
+        aggregate(honest, [1.0] * 4, "median_filter", 2.0, stats, min_cosine=0.0),
+        aggregate(honest, [1.0] * 4, "mean", 2.0),
+    )
+    assert stats.excluded_direction == 0 and 0 < stats.min_cosine_kept < 1
+    pair = [honest[0], -honest[0]]  # two senders: the median is their midpoint, neither is judged
+    assert torch.equal(
+        aggregate(pair, [1.0, 1.0], "median_filter", 2.0, stats, min_cosine=0.9),
+        aggregate(pair, [1.0, 1.0], "mean", 2.0),
+    )
+    flipped = [-honest[0], *honest[1:]]  # the mean rule trusts everyone: no floor
+    assert torch.equal(
+        aggregate(flipped, [1.0] * 4, "mean", 2.0, min_cosine=0.0), aggregate(flipped, [1.0] * 4, "mean", 2.0)
+    )
+    assert cosines_to_median([torch.zeros(5), torch.ones(5), torch.ones(5)]) == pytest.approx(
+        [0.0, 1.0, 1.0]
+    )  # 0: none
+    with pytest.raises(ValueError, match="min_cosine"):
+        aggregate(honest, [1.0] * 4, "median_filter", 2.0, min_cosine=1.5)
+    with pytest.raises(ConfigError, match=r"swarm.min_cosine.*\[-1, 1\]"):
+        load_config("configs/tiny.yaml", ["swarm.min_cosine=-2"])

@@ -99,7 +99,12 @@ class AggregateMixin:
             declared = tuple(gathered.payloads[p].tokens if p in factors else None for p in senders)
             stale = tuple(factors.get(p, 1.0) for p in senders)
             aggregation = Aggregation(
-                self.aggregation, self.aggregation_clip, declared, self.max_tokens, stale if min(stale) < 1 else None
+                self.aggregation,
+                self.aggregation_clip,
+                declared,
+                self.max_tokens,
+                stale if min(stale) < 1 else None,
+                self.min_cosine,
             )
             groups = len(plan.groups.owners) if plan.groups is not None else 1
             async with enter_asynchronously(self.get_tensors()) as local_tensors:

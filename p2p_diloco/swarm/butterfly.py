@@ -17,7 +17,8 @@ What differs from the stock runner:
 - our own slice marks the reducer failed if its local averaging raises (stock: that slice would hang);
 - the reducer keeps every sender's part and reduces them together (``robust.aggregate``: a mean whose senders
   are clipped, configured by ``swarm.aggregation``), each with the weight its gather payload declared, if the
-  wire weight matches it and one round can hold it, else 0 (stock: the wire weight, whatever it is);
+  wire weight matches it and one round can hold it, else 0 (stock: the wire weight, whatever it is); a sender
+  whose part points against the others' median (``swarm.min_cosine``) counts 0 and is named in a warning;
 - an averaged slice longer than ``2 x aggregation_clip`` x this member's own part of it (times the heaviest
   sender's tokens over ours, when they differ) marks its reducer a liar
   (``lying_reducers``): robust rules never average parts longer than clip x the median, so an honest reducer's
@@ -54,7 +55,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco.codec import Codec, CodecError
-from p2p_diloco.robust import aggregate, aggregate_counted, combine_groups, trusted_weight
+from p2p_diloco.robust import AggregateStats, aggregate_counted, combine_groups, cosines_to_median, trusted_weight
 
 __all__ = [
     "Aggregation",
@@ -152,6 +153,7 @@ class Aggregation:
     counts (protocol.decide), else None; a part counts with that many tokens only if the sender's wire weight says
     the same and it is at most ``max_tokens`` (robust.trusted_weight), else with weight 0. ``factors``: per sender,
     what its weight is multiplied by in the mean (a delayed Δ: protocol.RoundRules.weight_factors), None: all 1.
+    ``min_cosine``: robust.py's direction floor (-1: off).
     """
 
     rule: str
@@ -159,6 +161,7 @@ class Aggregation:
     declared: tuple[int | None, ...]
     max_tokens: int | None = None
     factors: tuple[float, ...] | None = None
+    min_cosine: float = -1.0
 
 
 @dataclass(frozen=True)
@@ -315,7 +318,8 @@ class Combiner:
 
 class RobustPartReducer(TensorPartReducer):
     """A TensorPartReducer that keeps each sender's current part and reduces them together with robust.aggregate,
-    weighting each by its trusted weight instead of the weight it put on the wire."""
+    weighting each by its trusted weight instead of the weight it put on the wire. A sender the direction floor
+    drops is named in a warning (``names``: the senders' peer ids, in sender order)."""
 
     def __init__(
         self,
@@ -324,8 +328,10 @@ class RobustPartReducer(TensorPartReducer):
         aggregation: Aggregation,
         combiner: Combiner | None = None,
         first_part: int = 0,
+        names: Sequence[str] = (),
     ):
         self.aggregation, self.combiner, self.first_part = aggregation, combiner, first_part
+        self.names = list(names)
         self.current_parts: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -370,16 +376,37 @@ class RobustPartReducer(TensorPartReducer):
         senders = sorted(self.current_parts)
         parts = [self.current_parts[i][0] for i in senders]
         weights = [self.current_parts[i][1] for i in senders]
-        factors = self.aggregation.factors
-        factors = None if factors is None else [factors[i] for i in senders]
-        rule, clip = self.aggregation.rule, self.aggregation.clip
+        how = self.aggregation
+        factors = None if how.factors is None else [how.factors[i] for i in senders]
+        stats = AggregateStats()
+        mean, counted = aggregate_counted(parts, weights, how.rule, how.clip, stats, factors, how.min_cosine)
+        part = self.first_part + self.current_part_index
+        if stats.excluded_direction:
+            self._say_pointing_away(part, senders, parts, weights)
         if self.combiner is None:
-            self.current_part_future.set_result(aggregate(parts, weights, rule, clip, factors=factors))
+            self.current_part_future.set_result(mean)
         else:  # our group's mean of this part goes to the part's round reducer: every member awaits the round's mean
-            mean, counted = aggregate_counted(parts, weights, rule, clip, factors=factors)
-            part = self.first_part + self.current_part_index
             self.current_part_future.set_result(asyncio.ensure_future(self.combiner.combine(part, mean, counted)))
         self.reset_accumulators()
+
+    def _say_pointing_away(
+        self, part: int, senders: list[int], parts: list[torch.Tensor], weights: list[float]
+    ) -> None:
+        """Name the senders of this part below the direction floor, with their cosines (a rare, hostile event)."""
+        judged = [k for k, w in enumerate(weights) if w > 0]
+        cosines = cosines_to_median([parts[k].float() for k in judged])
+        floor = self.aggregation.min_cosine
+        away = {
+            self.names[senders[k]] if senders[k] < len(self.names) else f"sender {senders[k]}": round(c, 3)
+            for k, c in zip(judged, cosines, strict=True)
+            if c < floor
+        }
+        log.warning(
+            "part %d: %s point(s) against the other senders' median (cosine < swarm.min_cosine %g): counted 0",
+            part,
+            away,
+            floor,
+        )
 
 
 class ExactRunner(AllReduceRunner):
@@ -414,7 +441,12 @@ class ExactRunner(AllReduceRunner):
             first_part = sum(container.num_parts_by_peer[:index])
             self.combiner = Combiner(groups, self.peer_id, self.group_id, self.wire, self.payload_bytes, aggregation)
         self.tensor_part_reducer = RobustPartReducer(
-            shapes, len(self.sender_peer_ids), aggregation, self.combiner, first_part
+            shapes,
+            len(self.sender_peer_ids),
+            aggregation,
+            self.combiner,
+            first_part,
+            list(map(str, self.sender_peer_ids)),
         )
         # A reducer's averaged part can be no longer than the longest part it may accept: robust rules accept parts
         # up to clip x the median norm. Compared per reducer's slice (all its parts together), not per part: with
