@@ -17,8 +17,11 @@ Modes (all see the same tokens: K shards x H steps x B x T per round):
 diloco/fedavg aggregate the K Δ with ``robust.aggregate_flat`` under ``swarm.aggregation`` (clip factor
 ``swarm.aggregation_clip``, parts of ``swarm.part_size_bytes / 4`` values), as the swarm's reducers do; robust rules
 weight each worker by ``robust.trusted_weight`` (0 when its wire weight is not the tokens it declared), ``mean`` by the
-wire weight as is. ``--attack`` makes worker 0 hostile (diloco/fedavg only): ``negate`` sends -X x its Δ, ``weight``
-sends its Δ with wire weight X x its tokens while declaring its tokens (X = ``--attack-scale``).
+wire weight as is. ``--attack`` makes workers 0 .. K-1 hostile (``--attackers K``, default 1; diloco/fedavg only):
+``negate`` sends -X x its Δ, ``weight`` sends its Δ with wire weight X x its tokens while declaring its tokens, ``alie``
+sends μ - X·σ (the coordinate-wise mean and standard deviation of every worker's honest Δ this round: an omniscient
+"a little is enough" coalition, arXiv 1902.06156), ``zeros`` sends a Δ of zeros with its tokens (a free-rider)
+(X = ``--attack-scale``).
 
 Speeds (diloco/fedavg): ``--speeds`` gives each worker's inner steps per simulated second (default 1 each). The
 simulator's clock: with ``inner.round_seconds`` a round takes round_seconds and worker k takes round_seconds x
@@ -92,7 +95,7 @@ from p2p_diloco.trackers import Trackers, require
 __all__ = ["ATTACKS", "MODES", "simulate", "main"]
 
 MODES = ("diloco", "fedavg", "sync", "single")
-ATTACKS = ("none", "negate", "weight")  # what worker 0 does in diloco/fedavg (module doc)
+ATTACKS = ("none", "negate", "weight", "alie", "zeros")  # what workers 0 .. K-1 do in diloco/fedavg (module doc)
 log = logging.getLogger("p2p_diloco.simulate")
 
 
@@ -184,9 +187,10 @@ def simulate(
     attack: str = "none",
     attack_scale: float = 1000.0,
     speeds: list[float] | None = None,
+    attackers: int = 1,
 ) -> dict[str, Any]:
-    """Run ``cfg.train.rounds`` rounds of ``mode`` with ``workers`` workers (worker 0 doing ``attack``, worker k
-    taking ``speeds[k]`` steps per simulated second); write OUT files."""
+    """Run ``cfg.train.rounds`` rounds of ``mode`` with ``workers`` workers (workers 0 .. attackers-1 doing
+    ``attack``, worker k taking ``speeds[k]`` steps per simulated second); write OUT files."""
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r} is invalid: must be one of {', '.join(MODES)}")
     if attack not in ATTACKS:
@@ -197,6 +201,8 @@ def simulate(
         raise ConfigError(f"--attack-scale {attack_scale!r} is invalid: must be a finite number > 0")
     if workers < 1:
         raise ConfigError(f"--workers {workers} is invalid: must be >= 1")
+    if attack != "none" and not 1 <= attackers < workers:
+        raise ConfigError(f"--attackers {attackers} is invalid: must be in [1, {workers - 1}] (some worker is honest)")
     if speeds is not None and (
         len(speeds) != workers
         or not all(math.isfinite(s) and s > 0 for s in speeds)
@@ -233,7 +239,7 @@ def simulate(
         pool, model = [local.worker], local.worker.model
     num_params = pool[0].num_params
     rules = RoundRules.from_config(cfg.swarm)
-    hostile = _Attack(attack, attack_scale)
+    hostile = _Attack(attack, attack_scale, attackers)
     agg_stats = AggregateStats()
 
     initial = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
@@ -313,7 +319,7 @@ def simulate(
         "bytes_sent_per_worker": bytes_sent,
         "wall_seconds": time.perf_counter() - started,
         "final_checksum": pool[0].state.checksum(),
-        "attack": {"kind": attack, "scale": attack_scale if attack != "none" else None, "worker": hostile.worker},
+        "attack": {"kind": attack, "scale": attack_scale if attack != "none" else None, "workers": hostile.workers},
         "aggregation": {
             "rule": cfg.swarm.aggregation if mode in ("diloco", "fedavg") else None,
             "clip": cfg.swarm.aggregation_clip,
@@ -328,23 +334,30 @@ def simulate(
 
 @dataclasses.dataclass
 class _Attack:
-    """What worker 0 sends instead of its honest Δ and weight (module doc); ``none``: nothing changes."""
+    """What workers 0 .. count-1 send instead of their honest Δ and weight (module doc); ``none``: nothing changes."""
 
     kind: str
     scale: float
+    count: int = 1
 
     @property
-    def worker(self) -> int | None:
-        return None if self.kind == "none" else 0
+    def workers(self) -> list[int]:
+        return [] if self.kind == "none" else list(range(self.count))
 
     def sent(self, mine: list[Contribution]) -> tuple[list[list[torch.Tensor]], list[float]]:
         """Each worker's Δ and wire weight as a reducer receives them."""
-        deltas = [c.pseudo_grad for c in mine]
-        wire = [float(c.inner.tokens) for c in mine]
-        if self.kind == "negate":
-            deltas[0] = [d.mul(-self.scale) for d in deltas[0]]
-        elif self.kind == "weight":
-            wire[0] = self.scale * wire[0]
+        honest = [c.pseudo_grad for c in mine]
+        deltas, wire = list(honest), [float(c.inner.tokens) for c in mine]
+        for k in self.workers if len(mine) > 1 else []:  # a round of one worker has nobody to attack
+            if self.kind == "negate":
+                deltas[k] = [d.mul(-self.scale) for d in honest[k]]
+            elif self.kind == "weight":
+                wire[k] = self.scale * wire[k]
+            elif self.kind == "zeros":
+                deltas[k] = [torch.zeros_like(d) for d in honest[k]]
+            elif self.kind == "alie":
+                stacked = [torch.stack(ts) for ts in zip(*honest, strict=True)]
+                deltas[k] = [s.mean(dim=0) - self.scale * s.std(dim=0) for s in stacked]
         return deltas, wire
 
 
@@ -587,8 +600,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--attack", choices=ATTACKS, default="none", help="worker 0 is hostile (diloco/fedavg): see the module doc"
     )
+    parser.add_argument("--attackers", type=int, default=1, metavar="K", help="workers 0 .. K-1 attack (default 1)")
     parser.add_argument(
-        "--attack-scale", type=float, default=1000.0, metavar="X", help="negate: sends -X x Δ; weight: X x tokens"
+        "--attack-scale",
+        type=float,
+        default=1000.0,
+        metavar="X",
+        help="negate: sends -X x Δ; weight: X x tokens; alie: μ - X·σ",
     )
     parser.add_argument(
         "--speeds",
@@ -604,7 +622,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         apply_threads(cfg.train.threads)  # the workers take turns: one process's worth of threads (threads.py)
         speeds = _speeds(args.speeds)
-        results = simulate(cfg, args.mode, args.workers, args.out, args.attack, args.attack_scale, speeds)
+        results = simulate(
+            cfg, args.mode, args.workers, args.out, args.attack, args.attack_scale, speeds, args.attackers
+        )
     except (ConfigError, DataError) as exc:
         print(f"run_simulation: {exc}", file=sys.stderr)
         return 2

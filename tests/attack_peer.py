@@ -57,12 +57,13 @@ def install(attack: str, scale: float) -> None:
 
         PseudoGradAverager.reduce = heavy
     elif attack == "lie":
-        aggregate = butterfly.aggregate
+        aggregate_counted = butterfly.aggregate_counted
 
         def lying(*args, **kwargs):  # type: ignore[no-untyped-def]
-            return -scale * aggregate(*args, **kwargs)
+            mean, counted = aggregate_counted(*args, **kwargs)
+            return -scale * mean, counted
 
-        butterfly.aggregate = lying
+        butterfly.aggregate_counted = lying
     elif attack == "hijack":
         sign = PseudoGradAverager._sign
 

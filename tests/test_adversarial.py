@@ -116,6 +116,7 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
         lines = re.findall(r"part \d+: (\{.*?\}) point\(s\) against", attacked["honest_output"])
         named = {peer for line in lines for peer in ast.literal_eval(line)}
         assert named == {attacker}, (named, attacker)
+        assert f"banned {attacker} for" in attacked["honest_output"]  # dropped 3 rounds in a row (strikes.py)
     if attack[0] == "lie":
         assert any("returned an average too long to be one" in r for r in attacked["reasons"]), attacked["reasons"]
 

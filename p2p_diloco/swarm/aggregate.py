@@ -9,7 +9,8 @@ Output:  ``_aggregate_with_group`` (hivemind's hook, overridden) returns the ste
          round's size and number of groups, when the group was assembled (``t_group``), the reason, the members
          that did not answer the vote (``silent``), and the bans with the seconds each has left. When complete, the
          buffers hold the round's mean.
-State:   ``_banned`` (a reducer caught lying goes in for BAN_SECONDS; matchmaking.py reads it); hivemind's
+State:   ``_banned`` (a reducer caught lying, or a sender our reducer dropped by direction in STRIKES_TO_BAN
+         all-reduces in a row (``_strikes``, strikes.py), goes in for BAN_SECONDS; matchmaking.py reads it); hivemind's
          ``_running_groups`` (the runner of each group in flight: ``rpc_combine_part`` serves from it).
 Failure: nothing raises out of the attempt: a payload that does not decode or is not signed by its member is
          dropped and counted (``Gathered``); a group holding an unlisted or banned peer is left before any part is
@@ -39,6 +40,7 @@ all of them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -56,7 +58,10 @@ from p2p_diloco.protocol import Gathered, GatherPayload, split_groups
 from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, PayloadBytes, RoundGroups, part_lengths, part_owners
 from p2p_diloco.swarm.identity import peer_id_of, verify
 from p2p_diloco.swarm.matchmaking import BAN_SECONDS
+from p2p_diloco.swarm.strikes import STRIKES_TO_BAN
 from p2p_diloco.swarm.vote import _digest
+
+log = logging.getLogger("p2p_diloco.averager")
 
 __all__ = ["AggregateMixin"]
 
@@ -127,6 +132,14 @@ class AggregateMixin:
                     tensor.copy_(averaged)
                 digest = _digest(local_tensors)
             container, reducer = runner.tensor_part_container, runner.tensor_part_reducer
+            for peer in self._strikes.record(reducer.judged, reducer.pointed_away):
+                self._banned[peer] = time.monotonic() + BAN_SECONDS
+                log.warning(
+                    "banned %s for %.0fs: its parts pointed against the others' in %d all-reduces in a row",
+                    peer,
+                    BAN_SECONDS,
+                    STRIKES_TO_BAN,
+                )
             if runner.lying_reducers:
                 liars = sorted(str(p) for p in runner.lying_reducers)
                 for liar in liars:

@@ -78,6 +78,7 @@ from p2p_diloco.swarm.matchmaking import BAN_SECONDS, MatchmakingMixin
 from p2p_diloco.swarm.reduce import NO_REACHABLE_MEMBER, ReduceMixin
 from p2p_diloco.swarm.state_pieces import MANIFEST_COST, MAX_PIECE_PARTS, StatePiecesMixin
 from p2p_diloco.swarm.state_serving import SERVE_GRACE, StateServingMixin, _state_thread_of
+from p2p_diloco.swarm.strikes import Strikes
 from p2p_diloco.swarm.vote import VoteMixin
 
 __all__ = [
@@ -189,6 +190,7 @@ class PseudoGradAverager(
         # per downloading peer: (when, what share of a state) of its recent downloads, manifests and pieces
         self._downloads: dict[str, list[tuple[float, float]]] = {}
         self._banned: dict[str, float] = {}  # reducers caught lying -> until when we refuse to group with them
+        self._strikes = Strikes()  # senders our reducer dropped by direction, in a row (strikes.py)
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process
         # payload bytes [sent, received] of every all-reduce so far, failed ones included: the averager process's

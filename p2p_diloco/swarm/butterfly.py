@@ -332,6 +332,8 @@ class RobustPartReducer(TensorPartReducer):
     ):
         self.aggregation, self.combiner, self.first_part = aggregation, combiner, first_part
         self.names = list(names)
+        self.judged: set[str] = set()  # senders whose parts the direction floor judged (strikes.py)
+        self.pointed_away: set[str] = set()  # and those it dropped in at least one part
         self.current_parts: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -381,6 +383,9 @@ class RobustPartReducer(TensorPartReducer):
         stats = AggregateStats()
         mean, counted = aggregate_counted(parts, weights, how.rule, how.clip, stats, factors, how.min_cosine)
         part = self.first_part + self.current_part_index
+        weighed = [self._name(senders[k]) for k, w in enumerate(weights) if w > 0]
+        if how.rule != "mean" and how.min_cosine > -1.0 and len(weighed) >= 3:
+            self.judged.update(weighed)
         if stats.excluded_direction:
             self._say_pointing_away(part, senders, parts, weights)
         if self.combiner is None:
@@ -389,6 +394,9 @@ class RobustPartReducer(TensorPartReducer):
             self.current_part_future.set_result(asyncio.ensure_future(self.combiner.combine(part, mean, counted)))
         self.reset_accumulators()
 
+    def _name(self, sender: int) -> str:
+        return self.names[sender] if sender < len(self.names) else f"sender {sender}"
+
     def _say_pointing_away(
         self, part: int, senders: list[int], parts: list[torch.Tensor], weights: list[float]
     ) -> None:
@@ -396,11 +404,8 @@ class RobustPartReducer(TensorPartReducer):
         judged = [k for k, w in enumerate(weights) if w > 0]
         cosines = cosines_to_median([parts[k].float() for k in judged])
         floor = self.aggregation.min_cosine
-        away = {
-            self.names[senders[k]] if senders[k] < len(self.names) else f"sender {senders[k]}": round(c, 3)
-            for k, c in zip(judged, cosines, strict=True)
-            if c < floor
-        }
+        away = {self._name(senders[k]): round(c, 3) for k, c in zip(judged, cosines, strict=True) if c < floor}
+        self.pointed_away.update(away)
         log.warning(
             "part %d: %s point(s) against the other senders' median (cosine < swarm.min_cosine %g): counted 0",
             part,
