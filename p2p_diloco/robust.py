@@ -36,8 +36,9 @@ Output:  the aggregated part (fp32, same shape, a new tensor). Rules:
          counts 0 for that part, before the rule runs. A sign-flipped Δ of honest size passes every norm bound but
          points away from the others': on tiny (4 workers, H 25) honest parts had cosine 0.63-0.95 to the median
          (IID) and 0.37-0.94 (by-label shards), a -1.9 x Δ sender -0.85 to -0.08 (docs/robust_aggregation.md). A
-         part of norm 0, or a median of norm 0, has no direction: cosine 0. Two senders are not judged (the median
-         is their midpoint: neither can be told from the other).
+         part of norm 0 beside a median that is not (a free-rider's zeros) has no direction: cosine -1, dropped by
+         any floor; a median of norm 0 judges nobody (cosine 0). Two senders are not judged (the median is their
+         midpoint: neither can be told from the other).
          ``trusted_weight`` returns the declared tokens when the wire weight equals them and 0 < tokens <= the round's
          maximum, else 0.0 (the sender is excluded from every part).
          The default (config.py: ``swarm.aggregation`` median_filter, ``swarm.aggregation_clip`` 2) and the
@@ -156,15 +157,17 @@ def _mean(parts: list[torch.Tensor], weights: list[float], total: float, scales:
 
 
 def cosines_to_median(parts: Sequence[torch.Tensor]) -> list[float]:
-    """Each part's cosine to the coordinate-wise lower median of all of them (fp64 dot products; 0.0 for a part or
-    a median of norm 0)."""
+    """Each part's cosine to the coordinate-wise lower median of all of them (fp64 dot products): -1.0 for a part of
+    norm 0 (no direction) beside a median that is not, 0.0 for every part when the median has norm 0."""
     centre = torch.stack(list(parts)).median(dim=0).values.to(torch.float64)
     centre_norm = float(torch.linalg.vector_norm(centre))
+    if centre_norm == 0:
+        return [0.0] * len(parts)
     out = []
     for x in parts:
         x = x.to(torch.float64)
-        norms = float(torch.linalg.vector_norm(x)) * centre_norm
-        out.append(float(torch.dot(x, centre)) / norms if norms > 0 else 0.0)
+        norm = float(torch.linalg.vector_norm(x))
+        out.append(float(torch.dot(x, centre)) / (norm * centre_norm) if norm > 0 else -1.0)
     return out
 
 

@@ -291,9 +291,13 @@ def test_the_direction_floor_keeps_an_honest_group_and_judges_only_three_or_more
     assert torch.equal(
         aggregate(flipped, [1.0] * 4, "mean", 2.0, min_cosine=0.0), aggregate(flipped, [1.0] * 4, "mean", 2.0)
     )
-    assert cosines_to_median([torch.zeros(5), torch.ones(5), torch.ones(5)]) == pytest.approx(
-        [0.0, 1.0, 1.0]
-    )  # 0: none
+    zeros, ones = torch.zeros(5), torch.ones(5)
+    assert cosines_to_median([zeros, ones, ones]) == pytest.approx([-1.0, 1.0, 1.0])  # zeros: no direction
+    assert cosines_to_median([zeros, zeros, ones]) == [0.0, 0.0, 0.0]  # a median of norm 0 judges nobody
+    free_rider = [torch.zeros_like(honest[0]), *honest[1:]]
+    stats = AggregateStats()
+    got = aggregate(free_rider, [1.0] * 4, "median_filter", 2.0, stats, min_cosine=0.0)
+    assert torch.equal(got, aggregate(honest[1:], [1.0] * 3, "mean", 2.0)) and stats.excluded_direction == 1
     with pytest.raises(ValueError, match="min_cosine"):
         aggregate(honest, [1.0] * 4, "median_filter", 2.0, min_cosine=1.5)
     with pytest.raises(ConfigError, match=r"swarm.min_cosine.*\[-1, 1\]"):
