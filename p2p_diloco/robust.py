@@ -32,7 +32,7 @@ Output:  the aggregated part (fp32, same shape, a new tensor). Rules:
          by ``trusted_weight`` anyway, and with 2 senders of unequal weight a weighted median sits on the heavier
          one, which makes τ = 0 and drops the other sender entirely.
          Direction (every rule but ``mean``, with ``min_cosine`` > -1 and 3 or more included senders): a sender whose
-         part's cosine to the coordinate-wise (lower) median of the included senders' parts is below ``min_cosine``
+         part's cosine to the coordinate-wise median of the included senders' parts is below ``min_cosine``
          counts 0 for that part, before the rule runs. A sign-flipped Δ of honest size passes every norm bound but
          points away from the others': on tiny (4 workers, H 25) honest parts had cosine 0.63-0.95 to the median
          (IID) and 0.37-0.94 (by-label shards), a -1.9 x Δ sender -0.85 to -0.08 (docs/robust_aggregation.md). A
@@ -157,9 +157,12 @@ def _mean(parts: list[torch.Tensor], weights: list[float], total: float, scales:
 
 
 def cosines_to_median(parts: Sequence[torch.Tensor]) -> list[float]:
-    """Each part's cosine to the coordinate-wise lower median of all of them (fp64 dot products): -1.0 for a part of
+    """Each part's cosine to the coordinate-wise (midpoint) median of all of them, in fp64: -1.0 for a part of
     norm 0 (no direction) beside a median that is not, 0.0 for every part when the median has norm 0."""
-    centre = torch.stack(list(parts)).median(dim=0).values.to(torch.float64)
+    ordered = torch.stack(list(parts)).to(torch.float64).sort(dim=0).values
+    m = ordered.shape[0]
+    centre = ordered[(m - 1) // 2] * 0.5 + ordered[m // 2] * 0.5  # as centered_clip's v0
+    del ordered
     centre_norm = float(torch.linalg.vector_norm(centre))
     if centre_norm == 0:
         return [0.0] * len(parts)
