@@ -102,6 +102,7 @@ class ReduceInfo:
     gathered: Gathered = field(default_factory=Gathered)
     ahead: RoundTag | None = None  # the swarm's state, when it was too far ahead of ours to look for a group
     groups: int = 1  # the groups the round ran as (protocol.split_groups): one butterfly each, their means combined
+    dropped: dict[str, int] = field(default_factory=dict)  # sender -> parts our reducer dropped by direction
 
 
 class Reducer(Protocol):
@@ -205,6 +206,8 @@ class RoundResult:
             rec["lost_reason"] = self.lost_reason
         if len(self.reduce.gathered.payloads) > 1:
             rec["group_peers"] = self.reduce.gathered.peers
+        if self.reduce.dropped:
+            rec["dropped_by_direction"] = self.reduce.dropped
         if self.reduce.gathered.malformed:
             rec["malformed_payloads"] = self.reduce.gathered.malformed
         if self.reduce.reason:

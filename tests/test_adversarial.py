@@ -72,6 +72,7 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
         "reasons": [r["reduce_reason"] for d in dirs[:3] for r in records(d) if r.get("reduce_reason")],
         "attacker_output": attacker_output,
         "honest_output": "\n".join(proc.describe() for proc in honest),
+        "dropped": {peer for d in dirs[:3] for r in records(d) for peer in r.get("dropped_by_direction", {})},
     }
 
 
@@ -115,7 +116,7 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
         attacker = re.search(r"^peer (\S+) (?:reachable|runs)", attacked["attacker_output"], re.M).group(1)
         lines = re.findall(r"part \d+: (\{.*?\}) point\(s\) against", attacked["honest_output"])
         named = {peer for line in lines for peer in ast.literal_eval(line)}
-        assert named == {attacker}, (named, attacker)
+        assert named == {attacker} and attacked["dropped"] == {attacker}, (named, attacked["dropped"], attacker)
         assert f"banned {attacker} for" in attacked["honest_output"]  # dropped 3 rounds in a row (strikes.py)
     if attack[0] == "lie":
         assert any("returned an average too long to be one" in r for r in attacked["reasons"]), attacked["reasons"]

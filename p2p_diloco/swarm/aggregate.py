@@ -7,7 +7,8 @@ Inputs:  hivemind's ``GroupInfo`` of the group its matchmaking assembled (the me
 Output:  ``_aggregate_with_group`` (hivemind's hook, overridden) returns the step's result to the host (reduce.py):
          ``complete`` (this member's verdict and the vote, vote.py), the members' payloads (``gathered``), the
          round's size and number of groups, when the group was assembled (``t_group``), the reason, the members
-         that did not answer the vote (``silent``), and the bans with the seconds each has left. When complete, the
+         that did not answer the vote (``silent``), the senders our reducer dropped by direction with their parts
+         (``dropped``), and the bans with the seconds each has left. When complete, the
          buffers hold the round's mean.
 State:   ``_banned`` (a reducer caught lying, or a sender our reducer dropped by direction in STRIKES_TO_BAN
          all-reduces in a row (``_strikes``, strikes.py), goes in for BAN_SECONDS; matchmaking.py reads it); hivemind's
@@ -84,7 +85,7 @@ class AggregateMixin:
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         """Run the stock butterfly, judge this member's view of it, then agree with the group (rpc_vote)."""
         t_group, gathered, reason, verdict, runner, digest = time.monotonic(), Gathered(), "", False, None, b""
-        groups = 1
+        groups, dropped = 1, {}
         vote = self._vote_state(group_info.group_id, group_info.peer_ids)["mine"]
         modes = [AveragingMode.NODE] * group_info.group_size
         try:
@@ -132,7 +133,8 @@ class AggregateMixin:
                     tensor.copy_(averaged)
                 digest = _digest(local_tensors)
             container, reducer = runner.tensor_part_container, runner.tensor_part_reducer
-            for peer in self._strikes.record(reducer.judged, reducer.pointed_away):
+            dropped = dict(reducer.pointed_away)
+            for peer in self._strikes.record(reducer.judged, dropped):
                 self._banned[peer] = time.monotonic() + BAN_SECONDS
                 log.warning(
                     "banned %s for %.0fs: its parts pointed against the others' in %d all-reduces in a row",
@@ -168,6 +170,7 @@ class AggregateMixin:
             t_group=t_group,
             reason=reason or "members without a complete result: " + ", ".join(against),
             silent=silent,  # members that did not answer the vote: dead or cut off (reduce.py: suspects)
+            dropped=dropped,  # sender -> parts our reducer dropped for pointing against the others (robust.py)
             # the host's copy of the bans (it is another process): seconds each has left
             banned={p: until - time.monotonic() for p, until in self._banned.items()},
         )

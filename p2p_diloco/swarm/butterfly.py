@@ -333,7 +333,7 @@ class RobustPartReducer(TensorPartReducer):
         self.aggregation, self.combiner, self.first_part = aggregation, combiner, first_part
         self.names = list(names)
         self.judged: set[str] = set()  # senders whose parts the direction floor judged (strikes.py)
-        self.pointed_away: set[str] = set()  # and those it dropped in at least one part
+        self.pointed_away: dict[str, int] = {}  # and the parts it dropped of each, where it dropped any
         self.current_parts: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -405,7 +405,8 @@ class RobustPartReducer(TensorPartReducer):
         cosines = cosines_to_median([parts[k].float() for k in judged])
         floor = self.aggregation.min_cosine
         away = {self._name(senders[k]): round(c, 3) for k, c in zip(judged, cosines, strict=True) if c < floor}
-        self.pointed_away.update(away)
+        for name in away:
+            self.pointed_away[name] = self.pointed_away.get(name, 0) + 1
         log.warning(
             "part %d: %s point(s) against the other senders' median (cosine < swarm.min_cosine %g): counted 0",
             part,

@@ -188,6 +188,7 @@ class ReduceMixin:
         if not finite:
             return None, "the group's average is not finite", False
         info.group_size, info.groups, info.gathered = out["group_size"], out["groups"], out["gathered"]
+        info.dropped = out.get("dropped", {})
         log.info("averaged in a round of %d peer(s), %d group(s)", info.group_size, info.groups)
         return averaged, "", False
 
