@@ -302,3 +302,16 @@ def test_the_direction_floor_keeps_an_honest_group_and_judges_only_three_or_more
         aggregate(honest, [1.0] * 4, "median_filter", 2.0, min_cosine=1.5)
     with pytest.raises(ConfigError, match=r"swarm.min_cosine.*\[-1, 1\]"):
         load_config("configs/tiny.yaml", ["swarm.min_cosine=-2"])
+
+
+def test_the_simulator_runs_a_coalition_and_the_floor_drops_a_free_riders_zeros(tmp_path):
+    """``--attackers 2 --attack zeros`` in a 4-worker round: each zero part is dropped by direction (3+ senders), the
+    results name the attackers; an ALIE coalition's Δ points with the swarm (kept); the options are checked."""
+    cfg = load_config("configs/tiny.yaml", ["train.rounds=1", "inner.steps=2", "train.eval_every=0"])
+    zeros = simulate(cfg, "diloco", 4, tmp_path / "zeros", attack="zeros", attackers=2)
+    parts = zeros["aggregation"]["parts"]
+    assert zeros["attack"]["workers"] == [0, 1] and zeros["aggregation"]["excluded_direction"] == 2 * parts
+    alie = simulate(cfg, "diloco", 4, tmp_path / "alie", attack="alie", attack_scale=1.0)
+    assert alie["aggregation"]["excluded_direction"] == 0 and alie["aggregation"]["min_cosine_kept"] > 0
+    with pytest.raises(ConfigError, match="--attackers 4"):
+        simulate(cfg, "diloco", 4, tmp_path / "all", attack="zeros", attackers=4)
