@@ -229,9 +229,12 @@ def aggregate_counted(
     stats: AggregateStats | None = None,
     factors: Sequence[float] | None = None,
     min_cosine: float = -1.0,
+    cosines: dict[int, float] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """``aggregate``, and the weight its result stands for: the senders' weights (times their factors) it counted, 0.0
-    when it counted none. What a group's reducer hands on when a round spans several groups (``combine_groups``)."""
+    when it counted none. What a group's reducer hands on when a round spans several groups (``combine_groups``).
+    ``cosines``, when given, is filled with the cosine of each sender the direction floor judged, by its index in
+    ``parts`` (those below ``min_cosine`` were dropped); untouched when the floor judged nobody."""
     if rule not in RULES:
         raise ValueError(f"aggregation rule {rule!r} is unknown: must be one of {', '.join(RULES)}")
     if rule != "mean" and not (clip > 0 and math.isfinite(clip)):
@@ -248,7 +251,8 @@ def aggregate_counted(
     kept: list[torch.Tensor] = []
     kept_w: list[float] = []
     kept_f: list[float] = []
-    for x, w, f in zip(parts, weights, factors or [1.0] * len(parts), strict=True):
+    kept_i: list[int] = []
+    for i, (x, w, f) in enumerate(zip(parts, weights, factors or [1.0] * len(parts), strict=True)):
         w = float(w)
         if not (w > 0 and math.isfinite(w)):
             if stats is not None:
@@ -262,14 +266,17 @@ def aggregate_counted(
         kept.append(x)
         kept_w.append(w)
         kept_f.append(float(f))
+        kept_i.append(i)
     if stats is not None:
         stats.parts += 1
     if rule != "mean" and min_cosine > -1.0 and len(kept) >= 3:
-        cosines = cosines_to_median(kept)
-        along = [k for k, c in enumerate(cosines) if c >= min_cosine]
+        judged = cosines_to_median(kept)
+        along = [k for k, c in enumerate(judged) if c >= min_cosine]
         if stats is not None:
             stats.excluded_direction += len(kept) - len(along)
-            stats.min_cosine_kept = min([stats.min_cosine_kept] + [cosines[k] for k in along])
+            stats.min_cosine_kept = min([stats.min_cosine_kept] + [judged[k] for k in along])
+        if cosines is not None:
+            cosines.update(zip(kept_i, judged, strict=True))
         kept, kept_w, kept_f = [kept[k] for k in along], [kept_w[k] for k in along], [kept_f[k] for k in along]
     if not kept:
         if stats is not None:

@@ -348,6 +348,9 @@ class _Attack:
         """Each worker's Δ and wire weight as a reducer receives them."""
         honest = [c.pseudo_grad for c in mine]
         deltas, wire = list(honest), [float(c.inner.tokens) for c in mine]
+        if self.kind == "alie" and len(mine) > 1:  # every colluder sends the same shift along the honest spread
+            stacked = [torch.stack(ts) for ts in zip(*honest, strict=True)]
+            shifted = [s.mean(dim=0) - self.scale * s.std(dim=0) for s in stacked]
         for k in self.workers if len(mine) > 1 else []:  # a round of one worker has nobody to attack
             if self.kind == "negate":
                 deltas[k] = [d.mul(-self.scale) for d in honest[k]]
@@ -356,8 +359,7 @@ class _Attack:
             elif self.kind == "zeros":
                 deltas[k] = [torch.zeros_like(d) for d in honest[k]]
             elif self.kind == "alie":
-                stacked = [torch.stack(ts) for ts in zip(*honest, strict=True)]
-                deltas[k] = [s.mean(dim=0) - self.scale * s.std(dim=0) for s in stacked]
+                deltas[k] = shifted
         return deltas, wire
 
 
@@ -598,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="directory for results.json and metrics.jsonl")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument(
-        "--attack", choices=ATTACKS, default="none", help="worker 0 is hostile (diloco/fedavg): see the module doc"
+        "--attack", choices=ATTACKS, default="none", help="workers 0 .. K-1 are hostile (diloco/fedavg): module doc"
     )
     parser.add_argument("--attackers", type=int, default=1, metavar="K", help="workers 0 .. K-1 attack (default 1)")
     parser.add_argument(

@@ -269,6 +269,9 @@ def test_a_sign_flipped_sender_of_honest_size_counts_zero_by_direction_alone(rul
     got = aggregate(parts, [1.0] * 4, rule, 2.0, stats, min_cosine=0.0)
     assert torch.equal(got, aggregate(honest[1:], [1.0] * 3, rule, 2.0))
     assert stats.excluded_direction == 1 and stats.min_cosine_kept == min(cosines[1:])
+    judged: dict[int, float] = {}  # by index in the call's parts: a sender of weight 0 is not judged
+    aggregate_counted([honest[0], *parts], [0.0] + [1.0] * 4, rule, 2.0, None, None, 0.0, judged)
+    assert judged == {k + 1: c for k, c in enumerate(cosines)}
     without = aggregate(parts, [1.0] * 4, rule, 2.0)  # off (-1): the flipped sender pulls the result back
     honest_mean = sum(honest[1:]) / 3
     assert float((without - honest_mean).norm()) > 10 * float((got - honest_mean).norm())

@@ -55,7 +55,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco.codec import Codec, CodecError
-from p2p_diloco.robust import AggregateStats, aggregate_counted, combine_groups, cosines_to_median, trusted_weight
+from p2p_diloco.robust import aggregate_counted, combine_groups, trusted_weight
 
 __all__ = [
     "Aggregation",
@@ -380,14 +380,10 @@ class RobustPartReducer(TensorPartReducer):
         weights = [self.current_parts[i][1] for i in senders]
         how = self.aggregation
         factors = None if how.factors is None else [how.factors[i] for i in senders]
-        stats = AggregateStats()
-        mean, counted = aggregate_counted(parts, weights, how.rule, how.clip, stats, factors, how.min_cosine)
+        cosines: dict[int, float] = {}
+        mean, counted = aggregate_counted(parts, weights, how.rule, how.clip, None, factors, how.min_cosine, cosines)
         part = self.first_part + self.current_part_index
-        weighed = [self._name(senders[k]) for k, w in enumerate(weights) if w > 0]
-        if how.rule != "mean" and how.min_cosine > -1.0 and len(weighed) >= 3:
-            self.judged.update(weighed)
-        if stats.excluded_direction:
-            self._say_pointing_away(part, senders, parts, weights)
+        self._judge(part, {self._name(senders[k]): c for k, c in cosines.items()})
         if self.combiner is None:
             self.current_part_future.set_result(mean)
         else:  # our group's mean of this part goes to the part's round reducer: every member awaits the round's mean
@@ -397,14 +393,14 @@ class RobustPartReducer(TensorPartReducer):
     def _name(self, sender: int) -> str:
         return self.names[sender] if sender < len(self.names) else f"sender {sender}"
 
-    def _say_pointing_away(
-        self, part: int, senders: list[int], parts: list[torch.Tensor], weights: list[float]
-    ) -> None:
-        """Name the senders of this part below the direction floor, with their cosines (a rare, hostile event)."""
-        judged = [k for k, w in enumerate(weights) if w > 0]
-        cosines = cosines_to_median([parts[k].float() for k in judged])
+    def _judge(self, part: int, cosines: dict[str, float]) -> None:
+        """Keep who the direction floor judged in this part and who it dropped; name the dropped in a warning (a rare,
+        hostile event) with their cosines."""
+        self.judged.update(cosines)
         floor = self.aggregation.min_cosine
-        away = {self._name(senders[k]): round(c, 3) for k, c in zip(judged, cosines, strict=True) if c < floor}
+        away = {name: round(c, 3) for name, c in cosines.items() if c < floor}
+        if not away:
+            return
         for name in away:
             self.pointed_away[name] = self.pointed_away.get(name, 0) + 1
         log.warning(
