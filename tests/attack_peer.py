@@ -6,8 +6,9 @@ Usage:   python tests/attack_peer.py ATTACK SCALE run_peer-args...
                          declares the true tokens (e.g. 1e6);
                 lie:     as a reducer it returns -SCALE x the true average of its slice, to every member;
                 hijack:  its signed gather payload claims a state SCALE rounds ahead of its own;
-                donor:   it serves a bogus outer state at round 10**SCALE (its checksum matching its bytes) to
-                         every downloader and announces that state as the one it holds;
+                donor:   it serves a bogus outer state at round 10**SCALE (its checksum and manifest matching its
+                         bytes) to every downloader and announces that state as the one it holds; two donors serve
+                         the same state (Sybils vouching for it together);
                 flood:   a thread downloads every other peer's state SCALE times a second;
                 garbage: its gather payloads are malformed (a number, wrong types, by turns), and a second DHT node
                          it runs without validators stores garbage under every key the peers read, every 2 s.
@@ -37,6 +38,7 @@ def install(attack: str, scale: float) -> None:
     import p2p_diloco.swarm.butterfly as butterfly
     from p2p_diloco.outer import OuterState
     from p2p_diloco.protocol import GatherPayload, RoundTag
+    from p2p_diloco.state_parts import part_digests
     from p2p_diloco.swarm.averager import PseudoGradAverager
     from p2p_diloco.swarm.join import Membership
     from p2p_diloco.swarm.peer import TrainingPeer
@@ -83,8 +85,9 @@ def install(attack: str, scale: float) -> None:
 
         def serve(self):  # type: ignore[no-untyped-def]
             state = bogus_state(self.worker.state.tensors())
+            parts = part_digests(state.tensors())  # a manifest that hashes to the checksum it announces
             meta = {"round": state.round, "checksum": state.checksum(), "fingerprint": self.fingerprint}
-            return {**meta, "consensus": True}, state.tensors()
+            return {**meta, "consensus": True, "parts": parts}, state.tensors()
 
         announce = Membership.announce
 

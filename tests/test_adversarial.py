@@ -35,16 +35,18 @@ SWARM = [
 ATTACK_PEER = [sys.executable, str(ROOT / "tests" / "attack_peer.py")]
 
 
-def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: bool = False) -> dict:
-    """Run the 4-peer swarm (peer 3 attacks when ``attack`` is given); the honest peers' records and losses."""
+def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: bool = False, attackers: int = 1) -> dict:
+    """Run the 4-peer swarm (peer 3 attacks when ``attack`` is given; ``attackers`` > 1: as many peers on shard 3
+    attack alike, Sybils of one person); the honest peers' records and losses."""
     _, initial = start_bootstrap(spawn)
-    dirs = [out / f"peer{k}" for k in range(4)]
-    # with a late joiner there are 5 peers: a group target of 4 would split them every round, and two halves that
+    dirs = [out / f"peer{k}" for k in range(3 + attackers)]
+    # with a late joiner there is one peer more: a group target of 4 would split them every round, and two halves that
     # tie have no majority (see the closing note of #10: such splits can leave honest peers diverged)
-    linger = ["swarm.linger_seconds=20", "swarm.target_group_size=5"] if late_joiner else []
+    everyone = [f"swarm.target_group_size={len(dirs) + 1}", f"swarm.start_peers={len(dirs)}"]
+    linger = ["swarm.linger_seconds=20", *everyone] if late_joiner or attackers > 1 else []
     honest = [start_peer(spawn, initial, d, *SWARM, *linger, f"data.shard_index={k}") for k, d in enumerate(dirs[:3])]
     prefix = [*ATTACK_PEER, *attack] if attack else None
-    third = start_peer(spawn, initial, dirs[3], *SWARM, *linger, "data.shard_index=3", prefix=prefix)
+    thirds = [start_peer(spawn, initial, d, *SWARM, *linger, "data.shard_index=3", prefix=prefix) for d in dirs[3:]]
     joined = None
     if late_joiner:
         honest[0].wait_for_line(rf"^round [2-{ROUNDS}]/{ROUNDS} ", timeout=240)
@@ -53,11 +55,12 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
         joined = {"round": int(match.group(1)), "checksum": match.group(2), "output": late.describe()}
         honest.append(late)
     finish(honest, timeout=240)
-    try:  # an attacker the others stopped grouping with is still waiting for a group: its own run is not the test
-        third.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        third.stop(grace=5)
-    attacker_output = third.describe()
+    for third in thirds:
+        try:  # an attacker the others stopped grouping with is still waiting for a group: its own run is not the test
+            third.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            third.stop(grace=5)
+    attacker_output = "\n".join(third.describe() for third in thirds)
     if attack:  # the attacker got as far as training (its attack is what the honest peers met)
         assert "joined at round" in attacker_output, attacker_output[-3000:]
     final = {d.name: [r for r in records(d) if r.get("eval_loss") is not None][-1:] for d in dirs[:3]}
@@ -123,12 +126,17 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
 
 
 @pytest.mark.timeout(600)
-def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_honest):
-    attacked = run_swarm(spawn, tmp_path, ("donor", "6"), late_joiner=True)
+@pytest.mark.parametrize(("attackers", "refusal"), [(1, "fewer than 2 peers vouch"), (2, "too few of the run's")])
+def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_honest, attackers, refusal):
+    """One donor of a bogus state far ahead: fewer than swarm.state_quorum peers vouch for it. Two (Sybil keys of one
+    person, both vouching for the same bogus state and serving it): the quorum is met, but the state is held by too
+    few of the run's peers against the honest ones' (sync.Vouches.offers); neither the joiner nor an honest peer
+    takes it."""
+    attacked = run_swarm(spawn, tmp_path, ("donor", "6"), late_joiner=True, attackers=attackers)
     joined = attacked["joined"]
     donors = {r["outer_step"]: r["checksum"] for r in records(tmp_path / "peer0")}
     assert 2 <= joined["round"] <= ROUNDS and donors.get(joined["round"]) == joined["checksum"], joined
-    assert "fewer than 2 peers vouch" in joined["output"], joined["output"][-3000:]
+    assert refusal in joined["output"], joined["output"][-3000:]
     late = records(tmp_path / "late")  # none when it joined at the last round
     assert all(r["outer_step"] <= ROUNDS for r in late), late
     print("late joiner:", {k: v for k, v in joined.items() if k != "output"}, "rounds it trained:", len(late))

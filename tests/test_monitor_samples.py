@@ -66,7 +66,7 @@ def _served(state: OuterState) -> tuple[dict, list[torch.Tensor]]:
 
 def _vouched(state: OuterState, peers: list[str]) -> Vouches:
     tag = RoundTag(state.round, state.checksum())
-    return Vouches(vouchers={tag: set(peers)}, holders={tag: list(peers)}, peers=len(peers))
+    return Vouches(vouchers={tag: set(peers)}, holders={tag: list(peers)}, live=set(peers))
 
 
 @pytest.fixture(scope="module")

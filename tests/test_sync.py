@@ -76,7 +76,7 @@ def _trained(worker: Worker, rounds: int, scale: float = 1e-3) -> OuterState:
 
 def _vouch(**tags: tuple[RoundTag, list[str]]) -> Vouches:
     """peer -> (its current tag, the other tags it vouches for)."""
-    out = Vouches(peers=len(tags))
+    out = Vouches(live=set(tags))
     for peer, (tag, older) in tags.items():
         for t in [*older, tag]:
             out.vouchers.setdefault(t, set()).add(peer)

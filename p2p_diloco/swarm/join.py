@@ -44,6 +44,7 @@ from p2p_diloco.protocol import RoundTag
 from p2p_diloco.swarm import lineage
 from p2p_diloco.swarm.dht import SwarmSetupError, bounded
 from p2p_diloco.swarm.identity import Identity, signer_of
+from p2p_diloco.swarm.standing import Standing
 from p2p_diloco.swarm.sync import StateSync, Vouches
 from p2p_diloco.swarm.validators import MAX_STATES, States, owner_subkey
 
@@ -90,6 +91,11 @@ class Announcements:
         # gone (not live, or done) is dropped, one missing from a read is kept: a read can come back partial
         self._averaging_seen: dict[str, float] = {}
         self._last_read: tuple[float, dict[str, dict]] | None = None  # (monotonic, _everyone's answer) of the last read
+        self.standing = Standing()  # what our own rounds counted from each peer: its weight in vouches (standing.py)
+
+    def own_tags(self) -> list[RoundTag]:
+        """Our recent tags, the last the state we hold ([]: a reader that holds no state)."""
+        return []
 
     def others(self, max_age: float = 0.0) -> dict[str, dict]:
         """Announcements of the other peers of this run by peer id, whatever their settings ({} when the DHT does
@@ -144,7 +150,7 @@ class Announcements:
         A peer that left (its announcement not refreshed within LIVE seconds) still vouches for what it held, but
         is neither a donor nor one of the peers the quorum is taken over. ``others``: a read of ``others()`` to use
         instead of reading the DHT again."""
-        out = Vouches()
+        out = Vouches(own=self.own_tags())
         for peer, announcement in (self.others() if others is None else others).items():
             if announcement.get("fingerprint") != self.fingerprint:
                 continue
@@ -152,9 +158,10 @@ class Announcements:
             for tag in tags:
                 out.vouchers.setdefault(tag, set()).add(peer)
             if announcement["live"]:
-                out.peers += 1
+                out.live.add(peer)
                 if tags and not announcement.get("client"):  # a client-mode peer cannot be dialled to serve it
                     out.holders.setdefault(tags[-1], []).append(peer)
+        out.weights = self.standing.weights({p for who in out.vouchers.values() for p in who}, out.live)
         return out
 
 
@@ -212,6 +219,10 @@ class Membership(Announcements):
                 "done": self.done,
             }
         return self._store(value, wait)
+
+    def own_tags(self) -> list[RoundTag]:
+        with self._lock:
+            return list(self.states)
 
     def left_lineage(self) -> None:
         """We took a state of another lineage (a split's canonical one): from our next announcement on we vouch for it
@@ -407,7 +418,8 @@ class Membership(Announcements):
         chosen = lineage.canonical(histories)
         if chosen is None or self.peer_id in chosen[0]:
             return None
-        offers = self.vouches(others).offers(self.cfg.swarm.state_quorum, None)  # the same read, not a second one
+        # the same read, not a second one; the lineage is chosen, so the quorum alone (sync.Vouches.offers)
+        offers = self.vouches(others).offers(self.cfg.swarm.state_quorum, None, held=False)
         offered = [tag for tag, _ in offers if tag in chosen[1]]
         return offered[0] if offered else None  # offers come furthest first
 

@@ -48,7 +48,7 @@ from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.fingerprint import swarm_fingerprint
 from p2p_diloco.outer import OuterState
-from p2p_diloco.protocol import RoundRules, RoundTag
+from p2p_diloco.protocol import Action, RoundRules, RoundTag
 from p2p_diloco.robust import max_round_tokens
 from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.averager import PseudoGradAverager
@@ -57,6 +57,7 @@ from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
 from p2p_diloco.swarm.identity import Identity, read_authorized_keys
 from p2p_diloco.swarm.join import Membership, PeerOptions, first_state, wait_for_start_peers
 from p2p_diloco.swarm.report import Reporter
+from p2p_diloco.swarm.standing import counted_members
 from p2p_diloco.swarm.sync import StateSync
 from p2p_diloco.swarm.validators import make_validators, owner_subkey
 from p2p_diloco.trackers import Trackers, require
@@ -441,6 +442,9 @@ class TrainingPeer:
             self.reporter.report(lost, time.perf_counter() - started)
         if result is None:
             return
+        if result.decision is Action.APPLY and result.reduce.complete:  # first-hand standing (standing.py)
+            info = result.reduce
+            self.members.standing.count(counted_members(info.gathered.payloads, self.peer_id, info.dropped))
         self.reporter.report(result, time.perf_counter() - started)
         self.members.announce(self.sync.tag(), wait=False)  # stored while the next round trains
         every = self.cfg.train.checkpoint_every

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,32 +57,70 @@ class Vouches:
     """What the run's signed announcements say about outer states (swarm/join.py builds it).
 
     ``vouchers[tag]``: the peers that held ``tag`` in one of their recent rounds; ``holders[tag]``: the peers that
-    hold it now (the donors to try for it); ``peers``: how many peers of the run announced at all (self excluded).
+    hold it now (the donors to try for it); ``live``: the peers of the run that are still about (self excluded; a
+    peer that left still vouches, but is none of the peers "there are"); ``weights``: each peer's standing in the
+    reader's eyes (standing.py; 1 when missing); ``own``: the reader's recent tags, the last the state it holds ([]
+    for a reader that holds none: the monitor).
+
+    A state is offered when (1) the standing of the peers that vouch for it reaches ``swarm.state_quorum`` (or the
+    standing of all live peers, when less), and (2) it is held, or was passed through, by live peers of at least
+    half the standing of the run (the reader included, for the states it held), or by as much as any other state
+    held now (a split's lineages as large as the largest).
+    (2) is what keeps a minority of keys from planting a state: they can vouch for anything, and sign any history,
+    but cannot make the honest peers hold it.
     """
 
     vouchers: dict[RoundTag, set[str]] = field(default_factory=dict)
     holders: dict[RoundTag, list[str]] = field(default_factory=dict)
-    peers: int = 0
+    live: set[str] = field(default_factory=set)
+    weights: dict[str, float] = field(default_factory=dict)
+    own: list[RoundTag] = field(default_factory=list)
 
-    def quorum(self, wanted: int) -> int:
-        """``swarm.state_quorum``, or all the peers there are when fewer (at least 1)."""
-        return max(1, min(wanted, self.peers))
+    @property
+    def peers(self) -> int:
+        """How many other peers of the run are about."""
+        return len(self.live)
 
-    def offers(self, wanted: int, mine: RoundTag | None) -> list[tuple[RoundTag, list[str]]]:
-        """(tag, donors) for every state some peer holds that enough peers vouch for (or that is our own), the
-        furthest round first. A tag vouched for by fewer peers is left out, whatever round it claims."""
-        quorum = self.quorum(wanted)
-        vouched = [
-            (tag, donors)
-            for tag, donors in self.holders.items()
-            if donors and (tag == mine or len(self.vouchers.get(tag, ())) >= quorum)
-        ]
-        return sorted(vouched, key=lambda item: (-item[0].round, item[0].checksum))
+    def standing(self, peers: Iterable[str]) -> float:
+        return sum(self.weights.get(peer, 1.0) for peer in peers)
 
-    def unvouched(self, wanted: int, mine: RoundTag | None) -> list[RoundTag]:
-        """The tags peers hold that the swarm does not vouch for (logged: a faulty or lying peer)."""
-        good = {tag for tag, _ in self.offers(wanted, mine)}
-        return sorted(tag for tag in self.holders if tag not in good)
+    def quorum(self, wanted: int) -> float:
+        """``swarm.state_quorum``, or the standing of all the live peers there are when less (1 when none)."""
+        there = self.standing(self.live)
+        return min(float(wanted), there) if there > 0 else 1.0
+
+    def support(self, tag: RoundTag) -> float:
+        """The standing of the live peers whose recent states hold ``tag``, and the reader's (1) if its own do."""
+        held = self.standing(peer for peer in self.vouchers.get(tag, ()) if peer in self.live)
+        return held + (1.0 if tag in self.own else 0.0)
+
+    def offers(self, wanted: int, mine: RoundTag | None, held: bool = True) -> list[tuple[RoundTag, list[str]]]:
+        """(tag, donors) for every state some peer holds that the swarm offers (see the class docstring), or that is
+        our own, the furthest round first. Any other tag is left out, whatever round it claims. ``held`` False: the
+        quorum alone, not (2) (a split's canonical lineage, which join.py chose by lineage.py's rule)."""
+        refused = self.refusals(wanted, mine, held)
+        offered = [(tag, donors) for tag, donors in self.holders.items() if donors and tag not in refused]
+        return sorted(offered, key=lambda item: (-item[0].round, item[0].checksum))
+
+    def refusals(self, wanted: int, mine: RoundTag | None, held: bool = True) -> dict[RoundTag, str]:
+        """Why each tag some peer holds is not offered (a faulty or lying peer, or a minority's state)."""
+        quorum, out = self.quorum(wanted), {}
+        now = set(self.holders) | set(self.own[-1:])  # the states peers hold now (an older one's support holds theirs)
+        support = {tag: self.support(tag) for tag in now}
+        best = max(now, key=lambda tag: (support[tag], tag.round), default=None)
+        half = 0.5 * (self.standing(self.live) + (1.0 if self.own else 0.0))
+        for tag in self.holders:
+            if tag == mine:
+                continue
+            vouched = self.standing(self.vouchers.get(tag, ()))
+            if vouched < quorum:
+                out[tag] = f"fewer than {quorum:g} peers vouch for it (their standing: {vouched:g})"
+            elif held and support[tag] < half and best is not None and support[tag] < support[best]:
+                out[tag] = (
+                    f"too few of the run's peers hold it or held it (standing {support[tag]:g} of "
+                    f"{2 * half:g}; {best} has {support[best]:g})"
+                )
+        return out
 
 
 @dataclass
@@ -106,15 +144,18 @@ def fetch_vouched(
     timeout: float,
     wanted: Callable[[RoundTag], bool] = lambda tag: True,
     mine: RoundTag | None = None,
+    held: bool = True,
 ) -> Offer | None:
     """The furthest state ``vouches`` offers (Vouches.offers: ``quorum`` peers, or all there are when fewer, vouch for
     it) that ``wanted`` accepts and is not ``mine``, in pieces from its holders (download.py); None (logged) when there
     is none within ``timeout``. ``shapes``: tensors of the state's shapes (anchor then momentum; only their shapes are
-    read). The one download path: StateSync.fetch for a peer, monitor_samples.py for the monitor (``mine`` None)."""
-    for tag in vouches.unvouched(quorum, mine):
-        log.warning("not downloading %s: fewer than %d peers vouch for it", tag, vouches.quorum(quorum))
+    read; ``held``: as Vouches.offers). The one download path: StateSync.fetch for a peer, monitor_samples.py for the
+    monitor (``mine`` None)."""
+    for tag, why in sorted(vouches.refusals(quorum, mine, held).items()):
+        if wanted(tag):
+            log.warning("not downloading %s: %s", tag, why)
     deadline = time.monotonic() + timeout
-    for tag, donors in vouches.offers(quorum, mine):
+    for tag, donors in vouches.offers(quorum, mine, held):
         if tag == mine or not wanted(tag):
             continue
         left = deadline - time.monotonic()
@@ -183,7 +224,7 @@ class StateSync:
         return self.worker.tag()
 
     # ---------------------------------------------------------------- fetching
-    def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True) -> Offer | None:
+    def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True, held: bool = True) -> Offer | None:
         """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts and that is not ours, in
         pieces from its holders (``fetch_vouched``); None (logged) when there is none within ``swarm.state_timeout``.
         When every state offered failed, e.g. its holders moved on to the next round's while we asked, it reads the
@@ -194,13 +235,14 @@ class StateSync:
             if attempt:
                 time.sleep(self.MOVED_ON_PAUSE)
             vouches, mine = self.vouches(), self.tag()
-            offered = {tag for tag, _ in vouches.offers(self.quorum, mine) if tag != mine and untried(tag)}
+            offered = {tag for tag, _ in vouches.offers(self.quorum, mine, held) if tag != mine and untried(tag)}
             left = deadline - time.monotonic()
             if not offered or left <= 0:
                 return None
             if attempt:
                 log.info("the state's holders moved on: trying %s", ", ".join(map(str, sorted(offered))))
-            got = fetch_vouched(self.averager, vouches, shapes, self.fingerprint, self.quorum, left, untried, mine)
+            args = (self.fingerprint, self.quorum, left, untried, mine, held)
+            got = fetch_vouched(self.averager, vouches, shapes, *args)
             if got is not None:
                 return got
             tried |= offered
@@ -238,9 +280,10 @@ class StateSync:
         return True
 
     def take(self, wanted: RoundTag, why: str) -> bool:
-        """Take the state ``wanted`` (e.g. the canonical lineage's, Membership.canonical) if the swarm offers it; False
-        (logged) when it does not, or its download fails."""
-        offer = self.fetch(lambda tag: tag == wanted)
+        """Take the state ``wanted`` (the canonical lineage's, Membership.canonical) if the swarm's quorum vouches for
+        it (not Vouches' rule (2): the lineage was chosen by lineage.py's); False (logged) when not, or its download
+        fails."""
+        offer = self.fetch(lambda tag: tag == wanted, held=False)
         if offer is None:
             return False
         self.adopt(offer, why)

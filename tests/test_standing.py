@@ -1,0 +1,106 @@
+"""Standing (swarm/standing.py) and what it weighs in choosing a state to download (sync.Vouches), pure."""
+
+from __future__ import annotations
+
+from p2p_diloco.protocol import GatherPayload, RoundTag
+from p2p_diloco.swarm.standing import FRESH_WEIGHT, MATURE_ROUNDS, Standing, counted_members
+from p2p_diloco.swarm.sync import Vouches
+
+T0, T1, T2, T3 = (RoundTag(r, f"{r:016x}") for r in range(4))
+BOGUS = RoundTag(10**6, "b" * 16)
+
+
+def vouches(holding: dict[str, list[RoundTag]], weights: dict[str, float] | None = None, own=()) -> Vouches:
+    """Live peers -> their recent tags (the last the one they hold)."""
+    out = Vouches(live=set(holding), weights=dict(weights or {}), own=list(own))
+    for peer, tags in holding.items():
+        for tag in tags:
+            out.vouchers.setdefault(tag, set()).add(peer)
+        out.holders.setdefault(tags[-1], []).append(peer)
+    return out
+
+
+def offered(v: Vouches, mine: RoundTag | None = None, quorum: int = 2) -> list[RoundTag]:
+    return [tag for tag, _ in v.offers(quorum, mine)]
+
+
+def test_a_key_weighs_little_until_our_rounds_counted_it_and_everyone_weighs_one_while_we_know_no_one_there():
+    standing = Standing()
+    assert standing.weights(["stranger"], live=["stranger"]) == {"stranger": 1.0}  # we know nobody: count keys
+    standing.count(["a"])
+    assert standing.weights(["stranger", "a"], live=["stranger", "a"]) == {"stranger": FRESH_WEIGHT, "a": 0.4375}
+    assert standing.weights(["stranger", "a"], live=["stranger"]) == {"stranger": 1.0, "a": 1.0}  # "a" left
+    weights = []
+    for _ in range(MATURE_ROUNDS + 2):
+        weights.append(standing.weight("a"))
+        standing.count(["a"])
+    assert FRESH_WEIGHT < weights[0] < weights[1] < weights[MATURE_ROUNDS - 1] == 1.0 == weights[-1]
+    assert all((w * 16).is_integer() for w in weights)  # sums of them compare exactly
+
+
+def test_only_members_whose_delta_the_mean_counted_earn_standing():
+    at, behind = RoundTag(5, "a" * 16), RoundTag(4, "c" * 16)
+    payloads = {
+        "me": GatherPayload(at, 100),
+        "honest": GatherPayload(at, 100),
+        "straggler": GatherPayload(behind, 100),  # not at the group's state
+        "idle": GatherPayload(at, 0),  # no tokens
+        "flipped": GatherPayload(at, 100),  # dropped by direction in some part
+    }
+    assert counted_members(payloads, "me", {"flipped": 2}) == ["honest"]
+    assert counted_members(payloads, "someone else", {}) == []  # not our round
+
+
+def test_two_sybil_keys_cannot_plant_a_far_ahead_state_on_a_newcomer():
+    """3 honest peers and 2 keys of one person vouching for a bogus state they hold: the quorum (2) is met, but the
+    state is held by 2 of 5 keys; the newcomer (no standing known: every key weighs 1) takes the honest state."""
+    honest = {p: [T0, T1, T2] for p in ("a", "b", "c")}
+    v = vouches({**honest, "s1": [T0, T1, BOGUS], "s2": [T0, T1, BOGUS]})  # a history of honest tags costs nothing
+    assert offered(v) == [T2]
+    assert "too few of the run's peers" in v.refusals(2, None)[BOGUS]
+    # the rule before standing: the furthest state with 2 vouchers
+    assert max((tag for tag, who in v.vouchers.items() if len(who) >= 2), key=lambda t: t.round) == BOGUS
+
+
+def test_a_peer_that_knows_the_honest_ones_refuses_as_many_fresh_keys_as_there_are_honest_peers():
+    """Half of the keys are Sybils: a newcomer cannot tell (a tie: it may take either), a peer whose rounds counted
+    the honest ones weighs the fresh keys at FRESH_WEIGHT each, too little to vouch, and keeps the honest state."""
+    holding = {**{p: [T1, T2] for p in ("a", "b", "c")}, **{s: [T1, BOGUS] for s in ("s1", "s2", "s3")}}
+    assert BOGUS in offered(vouches(holding))
+    veteran = Standing()
+    for _ in range(MATURE_ROUNDS):
+        veteran.count(["a", "b", "c"])
+    v = vouches(holding, veteran.weights(holding, live=holding), own=[T1])
+    assert offered(v, mine=T1) == [T2]
+    assert "their standing: 0.75" in v.refusals(2, T1)[BOGUS]  # 3 fresh keys vouch less than the quorum of 2
+
+
+def test_a_peer_whose_mates_all_left_while_it_was_behind_follows_the_strangers_that_hold_the_run():
+    """Every peer our rounds counted left while we were behind; 3 new keys hold the run's state. We know no one
+    there, so keys count as they did before standing, and we follow them (weighed as fresh keys against our own
+    state, we would stay locked out: nobody counts our stale Δ, so they would never earn standing with us)."""
+    veteran = Standing()
+    veteran.count(["old1", "old2"])
+    holding = {p: [T2, T3] for p in ("new1", "new2", "new3")}
+    assert offered(vouches(holding, veteran.weights(holding, live=holding), own=[T0, T1]), mine=T1) == [T3]
+    fresh = {p: veteran.weight(p) for p in holding}
+    assert offered(vouches(holding, fresh, own=[T0, T1]), mine=T1) == []
+
+
+def test_a_split_offers_the_lineages_most_peers_hold_and_not_a_smaller_one():
+    left, right = RoundTag(3, "1" * 16), RoundTag(3, "2" * 16)
+    small = RoundTag(4, "3" * 16)
+    holding = {
+        **{p: [T1, T2, left] for p in ("a", "b", "c")},
+        **{p: [T1, T2, right] for p in ("d", "e", "f")},
+        **{p: [RoundTag(3, "4" * 16), small] for p in ("g", "h")},  # furthest, but held by fewest
+    }
+    got = offered(vouches(holding))
+    assert small not in got and {left, right} <= set(got)
+
+
+def test_a_state_half_the_run_holds_is_offered_while_the_rest_finish_their_round():
+    v = vouches({"a": [T1, T2], "b": [T1, T2], "c": [T1], "d": [T1]})
+    assert offered(v) == [T2, T1]
+    v = vouches({"a": [T1, T2], "b": [T1], "c": [T1]})  # one of three ahead: the others' state, until they follow
+    assert offered(v) == [T1]
