@@ -145,6 +145,7 @@ def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_ho
 
 def check_against_all_honest(attacked: dict, all_honest: dict, attack: tuple[str, str]) -> None:
     print(json.dumps({"attack": attack, "all_honest": all_honest["eval_loss"], "attacked": attacked["eval_loss"]}))
+    assert not all_honest["dropped"], all_honest["dropped"]  # the direction floor dropped no honest peer's part
     assert set(attacked["final_round"].values()) == {ROUNDS}, attacked
     assert len(set(attacked["final_checksum"].values())) == 1, attacked["final_checksum"]  # the honest peers agree
     reference = next(iter(all_honest["eval_loss"].values()))

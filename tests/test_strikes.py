@@ -24,3 +24,9 @@ def test_a_judged_round_without_a_drop_clears_and_an_unjudged_one_keeps_the_coun
     assert strikes.record({"a", "x"}, {"x"}) == ["x"]
     with pytest.raises(ValueError, match="limit"):
         Strikes(limit=0)
+
+
+def test_a_peer_never_strikes_itself():
+    """Our reducer judges our own part too; a peer that banned itself would refuse every group it is in."""
+    strikes = Strikes(limit=2, me="us")
+    assert [strikes.record({"us", "b"}, {"us", "b"}) for _ in range(2)] == [[], ["b"]]

@@ -26,15 +26,18 @@ STRIKES_TO_BAN = 3  # judged all-reduces in a row that dropped a sender before i
 class Strikes:
     """Drops in a row per sender (module doc)."""
 
-    def __init__(self, limit: int = STRIKES_TO_BAN):
+    def __init__(self, limit: int = STRIKES_TO_BAN, me: str = ""):
+        """``me``: our own peer id, never counted: our reducer judges our own part too, and a peer that banned itself
+        would refuse every group it is in (seen: a late joiner whose fresh AdamW state made its own part point away
+        in its own slice, in its first 3 rounds, left every later group of 3 incomplete)."""
         if limit < 1:
             raise ValueError(f"limit {limit} is invalid: must be >= 1")
-        self.limit = limit
+        self.limit, self.me = limit, me
         self.in_a_row: dict[str, int] = {}
 
     def record(self, judged: Iterable[str], dropped: Iterable[str]) -> list[str]:
         """Count one all-reduce; the senders that reached ``limit`` (sorted), whose count starts again."""
-        dropped = set(dropped)
+        dropped = set(dropped) - {self.me}
         for peer in set(judged) - dropped:
             self.in_a_row.pop(peer, None)
         out = []
