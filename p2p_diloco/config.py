@@ -202,8 +202,9 @@ class SwarmConfig:
     dht_timeout: float = 10.0  # seconds one DHT read or write of a training peer may take; then "no answer"
     max_failed_rounds: int = 10  # failed rounds in a row (non-finite or an error) before checkpoint + exit 1
     rollback_after: int = 3  # non-finite rounds in a row from one outer state before rolling back from it
-    # A downloaded outer state is adopted only when this many distinct peers (or all there are, when fewer) vouch
-    # for its (round, checksum) in their signed announcements (swarm/join.py), or it equals this peer's own.
+    # A downloaded outer state is adopted only when peers of this much standing (or all there are, when less) vouch
+    # for its (round, checksum) in their signed announcements (swarm/join.py), or it equals this peer's own. A key
+    # this peer has averaged with weighs 1, a stranger 1/4 (every key 1 until it averaged with a live one: standing.py).
     state_quorum: int = 2
     max_state_downloads: int = 4  # states' worth one peer may download from us per minute (a piece: its share)
     # Closed run: a file of allowed public keys (`run_peer --print-public-key`), one a line. Unlisted peers never

@@ -67,7 +67,7 @@ from hivemind.dht import DHT
 
 from p2p_diloco.codec import get_codec
 from p2p_diloco.engine import ReduceInfo
-from p2p_diloco.protocol import RoundRules, RoundTag
+from p2p_diloco.protocol import Gathered, RoundRules, RoundTag
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
 from p2p_diloco.swarm.aggregate import AggregateMixin
 from p2p_diloco.swarm.butterfly import WireCodec
@@ -222,6 +222,9 @@ class PseudoGradAverager(
         # host side: told the members of a failed attempt that did not answer its vote (dead or cut off; e.g.
         # Membership.suspect, so that later rounds do not wait for them)
         self.silent: Callable[[list[str]], None] | None = None
+        # host side: told each complete all-reduce's gathered payloads and the senders our reducer dropped by direction
+        # (e.g. the peer's Standing, swarm/standing.py: whom we have averaged with)
+        self.averaged_with: Callable[[Gathered, dict[str, int]], None] | None = None
         # host side: whether this peer is sure to be the only one of the run that averages now (e.g.
         # Membership.alone); a round is then local at once, without a matchmaking that cannot succeed
         self.alone: Callable[[], bool] | None = None

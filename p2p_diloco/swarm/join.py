@@ -418,8 +418,8 @@ class Membership(Announcements):
         chosen = lineage.canonical(histories)
         if chosen is None or self.peer_id in chosen[0]:
             return None
-        # the same read, not a second one; the lineage is chosen, so the quorum alone (sync.Vouches.offers)
-        offers = self.vouches(others).offers(self.cfg.swarm.state_quorum, None, held=False)
+        # the same read, not a second one; keys, as the lineage was chosen (sync.Vouches.offers)
+        offers = self.vouches(others).offers(self.cfg.swarm.state_quorum, None, by_standing=False)
         offered = [tag for tag, _ in offers if tag in chosen[1]]
         return offered[0] if offered else None  # offers come furthest first
 

@@ -48,7 +48,7 @@ from p2p_diloco.data import DataPipeline, shard_for_peer
 from p2p_diloco.engine import RoundResult, Worker
 from p2p_diloco.fingerprint import swarm_fingerprint
 from p2p_diloco.outer import OuterState
-from p2p_diloco.protocol import Action, RoundRules, RoundTag
+from p2p_diloco.protocol import RoundRules, RoundTag
 from p2p_diloco.robust import max_round_tokens
 from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.averager import PseudoGradAverager
@@ -200,6 +200,9 @@ class TrainingPeer:
         self.averager.silent = members.suspect
         self.averager.alone = members.alone
         members.admits = self.averager.admits
+        self.averager.averaged_with = lambda gathered, dropped: members.standing.count(
+            counted_members(gathered.payloads, self.peer_id, dropped)
+        )
         self.sync = sync = StateSync(
             worker,
             self.averager,
@@ -442,9 +445,6 @@ class TrainingPeer:
             self.reporter.report(lost, time.perf_counter() - started)
         if result is None:
             return
-        if result.decision is Action.APPLY and result.reduce.complete:  # first-hand standing (standing.py)
-            info = result.reduce
-            self.members.standing.count(counted_members(info.gathered.payloads, self.peer_id, info.dropped))
         self.reporter.report(result, time.perf_counter() - started)
         self.members.announce(self.sync.tag(), wait=False)  # stored while the next round trains
         every = self.cfg.train.checkpoint_every

@@ -4,7 +4,8 @@ Inputs:  ``reduce(pseudo_grads, weight, payload)`` (averager.py says what each m
          payload (``_sign``: bound to our peer id and the run's prefix); ``round_deadline`` and
          ``max_reduce_attempts``; the matchmaking hooks (matchmaking.py: whether the swarm has left us behind,
          when the next mate will be ready, how many will come and for how long); ``silent``, told the members of a
-         failed attempt that did not answer its vote (Membership.suspect).
+         failed attempt that did not answer its vote (Membership.suspect); ``averaged_with``, told each complete
+         attempt's payloads and direction drops (standing.py), before the round's result is settled.
 Output:  ``(averaged, ReduceInfo)``: the shared-memory buffers of the first complete attempt whose mean is finite,
          else copies of the local pseudo-grads, with the attempts, the reason (what each failed attempt and each
          wait came to, in order), the group's payloads, and the timing and byte counts below.
@@ -121,6 +122,7 @@ class ReduceMixin:
             averaged, why, retry = self._attempt(grads, float(weight), gather, info)
             if averaged is not None:
                 info.complete, info.reason = True, "; ".join(notes)
+                ask_host(self.averaged_with, "recording whom we averaged with", None, info.gathered, info.dropped)
                 return averaged, info
             notes.append(f"attempt {info.attempts}: {why}")
             # nobody came, but peers will be ready later (they began their round while we looked): wait, retry

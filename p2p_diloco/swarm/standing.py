@@ -1,20 +1,23 @@
-"""A peer's first-hand standing of the others: how many of its rounds counted a pseudo-gradient from each.
+"""A peer's first-hand standing of the others: whom it has averaged with, and how often.
 
-Inputs:  ``count(peers)`` after each round this peer applied from a complete group: the members whose Δ that round's
-         mean counted (their payload at the group's state, tokens > 0, no part dropped by direction).
+Inputs:  ``count(peers)`` after each complete all-reduce this peer took part in (the averager's ``averaged_with`` hook,
+         before the round's result is settled): ``counted_members`` of its payloads, the members other than us
+         that declared tokens and that our reducer did not drop by direction.
 Output:  ``weight(peer)``: what a peer's vouch and its holding of a state weigh when this peer chooses a state to
-         download (sync.Vouches): FRESH_WEIGHT for a key none of our rounds counted, growing linearly to 1 after
-         MATURE_ROUNDS counted rounds. ``weights``: those of a read's peers; while no live peer is one our rounds
-         counted (a newcomer, a peer that only ever trained alone, one whose mates all left while it was behind) every
-         key weighs 1: we know no one there, so we can only count keys, as before standing existed, and a peer never
-         stays locked out of a swarm made of strangers.
-State:   rounds counted per peer id, in memory: a restarted peer starts again from knowing nobody.
+         download (sync.Vouches): 1 for a key we have averaged with, FRESH_WEIGHT for a stranger. ``weights``: those of
+         a read's peers; while no live peer is one we have averaged with (a newcomer, a peer that only ever trained
+         alone, one whose mates all left while it was behind) every key weighs 1: we know no one there, so we can only
+         count keys, as before standing existed, and a peer never stays locked out of a swarm of strangers.
+State:   complete all-reduces per peer id, in memory: a restarted peer starts again from knowing nobody.
 Failure: none.
 
-Why first-hand: a late joiner cannot tell honest peers from a clique of Sybil keys by anything they sign (each can
-sign that the others trained), so standing is only what this peer's own rounds saw; a stranger earns it by sending
-pseudo-gradients the group's reducers counted, round after round, which costs what honest training costs. The
-weights are all multiples of 1/16, so their sums compare exactly.
+Why first-hand: a newcomer cannot tell honest peers from a clique of Sybil keys by anything they sign (each can sign
+that the others trained), so standing is only what this peer's own all-reduces saw. A key earns it by completing an
+all-reduce with us, its Δ within the norm bound and the direction floor: cheap keys that only announce and vouch
+stay strangers. Why not a weight that grows over several rounds (tried first: 1/4, growing to 1 after 4 counted
+rounds): the two halves of a split are strangers to each other, and after the round that brought them into one
+group, the smaller half weighed the larger half's fresh keys below its own and refused its state; measured, the
+end of a run split 2 and 2 stayed on 2 states (tests/test_scale_smoke.py).
 """
 
 from __future__ import annotations
@@ -23,43 +26,36 @@ from collections.abc import Iterable, Mapping
 
 from p2p_diloco.protocol import GatherPayload
 
-__all__ = ["FRESH_WEIGHT", "MATURE_ROUNDS", "Standing", "counted_members"]
+__all__ = ["FRESH_WEIGHT", "Standing", "counted_members"]
 
-FRESH_WEIGHT = 0.25  # what an unknown key weighs, once we know some peers
-MATURE_ROUNDS = 4  # counted rounds after which a key weighs as much as any
+FRESH_WEIGHT = 0.25  # what a stranger's key weighs, once we have averaged with some live peer
 
 
 class Standing:
-    """Rounds counted per peer, as this peer's own rounds saw them (see the module docstring)."""
+    """Complete all-reduces per peer, as this peer's own saw them (see the module docstring)."""
 
     def __init__(self) -> None:
         self.counted: dict[str, int] = {}
 
     def count(self, peers: Iterable[str]) -> None:
-        """One more round counted a Δ from each of ``peers``."""
+        """One more complete all-reduce counted a Δ from each of ``peers``."""
         for peer in peers:
             self.counted[peer] = self.counted.get(peer, 0) + 1
 
     def weight(self, peer: str) -> float:
-        """``peer``'s weight in vouching and holding states: FRESH_WEIGHT, growing to 1 with the rounds we counted
-        from it (MATURE_ROUNDS)."""
-        rounds = min(self.counted.get(peer, 0), MATURE_ROUNDS)
-        return FRESH_WEIGHT + (1.0 - FRESH_WEIGHT) * rounds / MATURE_ROUNDS
+        """``peer``'s weight in vouching and holding states: 1 if we have averaged with it, else FRESH_WEIGHT."""
+        return 1.0 if self.counted.get(peer, 0) else FRESH_WEIGHT
 
     def weights(self, peers: Iterable[str], live: Iterable[str]) -> dict[str, float]:
-        """The weights of ``peers``: ``weight`` each while one of the ``live`` peers is one we counted, else 1."""
+        """The weights of ``peers``: ``weight`` each while one of the ``live`` peers is one we averaged with, else 1."""
         known = any(self.counted.get(peer, 0) for peer in live)
         return {peer: self.weight(peer) if known else 1.0 for peer in peers}
 
 
 def counted_members(payloads: Mapping[str, GatherPayload], me: str, dropped: Mapping[str, int]) -> list[str]:
-    """The members of a complete round that we applied whose Δ its mean counted: at our state (the group's), with
-    tokens, and no part of it dropped by direction (``dropped``: ReduceInfo.dropped); not us."""
-    ours = payloads.get(me)
-    if ours is None:
-        return []
+    """The members of a complete all-reduce whose Δ it counted: with tokens, and no part of it dropped by direction
+    by our reducer (``dropped``: ReduceInfo.dropped); not us. Whatever state they were at: a split's two halves that
+    meet in one group know each other from then on, and the smaller one takes the larger one's state."""
     return sorted(
-        peer
-        for peer, payload in payloads.items()
-        if peer != me and payload.tag == ours.tag and payload.tokens > 0 and peer not in dropped
+        peer for peer, payload in payloads.items() if peer != me and payload.tokens > 0 and peer not in dropped
     )

@@ -81,12 +81,13 @@ class Vouches:
         """How many other peers of the run are about."""
         return len(self.live)
 
-    def standing(self, peers: Iterable[str]) -> float:
-        return sum(self.weights.get(peer, 1.0) for peer in peers)
+    def standing(self, peers: Iterable[str], weighed: bool = True) -> float:
+        """The peers' standing (``weighed`` False: their number)."""
+        return sum(self.weights.get(peer, 1.0) for peer in peers) if weighed else float(len(set(peers)))
 
-    def quorum(self, wanted: int) -> float:
+    def quorum(self, wanted: int, weighed: bool = True) -> float:
         """``swarm.state_quorum``, or the standing of all the live peers there are when less (1 when none)."""
-        there = self.standing(self.live)
+        there = self.standing(self.live, weighed)
         return min(float(wanted), there) if there > 0 else 1.0
 
     def support(self, tag: RoundTag) -> float:
@@ -94,17 +95,19 @@ class Vouches:
         held = self.standing(peer for peer in self.vouchers.get(tag, ()) if peer in self.live)
         return held + (1.0 if tag in self.own else 0.0)
 
-    def offers(self, wanted: int, mine: RoundTag | None, held: bool = True) -> list[tuple[RoundTag, list[str]]]:
+    def offers(self, wanted: int, mine: RoundTag | None, by_standing: bool = True) -> list[tuple[RoundTag, list[str]]]:
         """(tag, donors) for every state some peer holds that the swarm offers (see the class docstring), or that is
-        our own, the furthest round first. Any other tag is left out, whatever round it claims. ``held`` False: the
-        quorum alone, not (2) (a split's canonical lineage, which join.py chose by lineage.py's rule)."""
-        refused = self.refusals(wanted, mine, held)
+        our own, the furthest round first. Any other tag is left out, whatever round it claims. ``by_standing``
+        False: (1) counts keys, and (2) does not apply: a split's canonical lineage, which join.py chose by
+        lineage.py's rule, counting keys alike on every peer (the other half's peers are strangers to us: by
+        standing, they could never vouch for the state we must take)."""
+        refused = self.refusals(wanted, mine, by_standing)
         offered = [(tag, donors) for tag, donors in self.holders.items() if donors and tag not in refused]
         return sorted(offered, key=lambda item: (-item[0].round, item[0].checksum))
 
-    def refusals(self, wanted: int, mine: RoundTag | None, held: bool = True) -> dict[RoundTag, str]:
+    def refusals(self, wanted: int, mine: RoundTag | None, by_standing: bool = True) -> dict[RoundTag, str]:
         """Why each tag some peer holds is not offered (a faulty or lying peer, or a minority's state)."""
-        quorum, out = self.quorum(wanted), {}
+        quorum, out = self.quorum(wanted, by_standing), {}
         now = set(self.holders) | set(self.own[-1:])  # the states peers hold now (an older one's support holds theirs)
         support = {tag: self.support(tag) for tag in now}
         best = max(now, key=lambda tag: (support[tag], tag.round), default=None)
@@ -112,10 +115,10 @@ class Vouches:
         for tag in self.holders:
             if tag == mine:
                 continue
-            vouched = self.standing(self.vouchers.get(tag, ()))
+            vouched = self.standing(self.vouchers.get(tag, ()), by_standing)
             if vouched < quorum:
                 out[tag] = f"fewer than {quorum:g} peers vouch for it (their standing: {vouched:g})"
-            elif held and support[tag] < half and best is not None and support[tag] < support[best]:
+            elif by_standing and support[tag] < half and best is not None and support[tag] < support[best]:
                 out[tag] = (
                     f"too few of the run's peers hold it or held it (standing {support[tag]:g} of "
                     f"{2 * half:g}; {best} has {support[best]:g})"
@@ -144,18 +147,18 @@ def fetch_vouched(
     timeout: float,
     wanted: Callable[[RoundTag], bool] = lambda tag: True,
     mine: RoundTag | None = None,
-    held: bool = True,
+    by_standing: bool = True,
 ) -> Offer | None:
     """The furthest state ``vouches`` offers (Vouches.offers: ``quorum`` peers, or all there are when fewer, vouch for
     it) that ``wanted`` accepts and is not ``mine``, in pieces from its holders (download.py); None (logged) when there
     is none within ``timeout``. ``shapes``: tensors of the state's shapes (anchor then momentum; only their shapes are
-    read; ``held``: as Vouches.offers). The one download path: StateSync.fetch for a peer, monitor_samples.py for the
-    monitor (``mine`` None)."""
-    for tag, why in sorted(vouches.refusals(quorum, mine, held).items()):
+    read; ``by_standing``: as Vouches.offers). The one download path: StateSync.fetch for a peer, monitor_samples.py
+    for the monitor (``mine`` None)."""
+    for tag, why in sorted(vouches.refusals(quorum, mine, by_standing).items()):
         if wanted(tag):
             log.warning("not downloading %s: %s", tag, why)
     deadline = time.monotonic() + timeout
-    for tag, donors in vouches.offers(quorum, mine, held):
+    for tag, donors in vouches.offers(quorum, mine, by_standing):
         if tag == mine or not wanted(tag):
             continue
         left = deadline - time.monotonic()
@@ -224,7 +227,7 @@ class StateSync:
         return self.worker.tag()
 
     # ---------------------------------------------------------------- fetching
-    def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True, held: bool = True) -> Offer | None:
+    def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True, by_standing: bool = True) -> Offer | None:
         """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts and that is not ours, in
         pieces from its holders (``fetch_vouched``); None (logged) when there is none within ``swarm.state_timeout``.
         When every state offered failed, e.g. its holders moved on to the next round's while we asked, it reads the
@@ -235,13 +238,13 @@ class StateSync:
             if attempt:
                 time.sleep(self.MOVED_ON_PAUSE)
             vouches, mine = self.vouches(), self.tag()
-            offered = {tag for tag, _ in vouches.offers(self.quorum, mine, held) if tag != mine and untried(tag)}
+            offered = {tag for tag, _ in vouches.offers(self.quorum, mine, by_standing) if tag != mine and untried(tag)}
             left = deadline - time.monotonic()
             if not offered or left <= 0:
                 return None
             if attempt:
                 log.info("the state's holders moved on: trying %s", ", ".join(map(str, sorted(offered))))
-            args = (self.fingerprint, self.quorum, left, untried, mine, held)
+            args = (self.fingerprint, self.quorum, left, untried, mine, by_standing)
             got = fetch_vouched(self.averager, vouches, shapes, *args)
             if got is not None:
                 return got
@@ -280,10 +283,10 @@ class StateSync:
         return True
 
     def take(self, wanted: RoundTag, why: str) -> bool:
-        """Take the state ``wanted`` (the canonical lineage's, Membership.canonical) if the swarm's quorum vouches for
-        it (not Vouches' rule (2): the lineage was chosen by lineage.py's); False (logged) when not, or its download
-        fails."""
-        offer = self.fetch(lambda tag: tag == wanted, held=False)
+        """Take the state ``wanted`` (the canonical lineage's, Membership.canonical) if ``swarm.state_quorum`` keys
+        vouch for it (Vouches.offers, not by standing: the lineage was chosen by counting keys); False (logged) when
+        not, or its download fails."""
+        offer = self.fetch(lambda tag: tag == wanted, by_standing=False)
         if offer is None:
             return False
         self.adopt(offer, why)
