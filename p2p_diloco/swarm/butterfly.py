@@ -332,7 +332,7 @@ class RobustPartReducer(TensorPartReducer):
     ):
         self.aggregation, self.combiner, self.first_part = aggregation, combiner, first_part
         self.names = list(names)
-        self.judged: set[str] = set()  # senders whose parts the direction floor judged (strikes.py)
+        self.judged: dict[str, int] = {}  # senders whose parts the direction floor judged: how many (strikes.py)
         self.pointed_away: dict[str, int] = {}  # and the parts it dropped of each, where it dropped any
         self.current_parts: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(part_shapes, num_senders)
@@ -396,7 +396,8 @@ class RobustPartReducer(TensorPartReducer):
     def _judge(self, part: int, cosines: dict[str, float]) -> None:
         """Keep who the direction floor judged in this part and who it dropped; name the dropped in a warning (a rare,
         hostile event) with their cosines."""
-        self.judged.update(cosines)
+        for name in cosines:
+            self.judged[name] = self.judged.get(name, 0) + 1
         floor = self.aggregation.min_cosine
         away = {name: round(c, 3) for name, c in cosines.items() if c < floor}
         if not away:
