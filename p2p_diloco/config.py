@@ -197,7 +197,7 @@ class SwarmConfig:
     # every norm bound; on tiny (4 workers) honest parts had cosine >= 0.63 to the median (IID) and >= 0.37 (by-label
     # shards), a -1.9 x Δ sender <= -0.08: docs/robust_aggregation.md. 0 keeps any Δ that does not point against the
     # swarm's (zeros have no direction: dropped); larger groups bring honest cosines down (the median is less of one's
-    # own), so no higher. A sender dropped in 3 all-reduces in a row is banned (swarm/strikes.py). -1: off.
+    # own), so no higher. Dropped in most of its parts 3 all-reduces in a row: banned (strikes.py). -1: off.
     min_cosine: float = 0.0
     dht_timeout: float = 10.0  # seconds one DHT read or write of a training peer may take; then "no answer"
     max_failed_rounds: int = 10  # failed rounds in a row (non-finite or an error) before checkpoint + exit 1
