@@ -110,3 +110,11 @@ def test_the_smaller_half_of_a_split_takes_the_larger_ones_state_once_they_met_i
     before = Standing()  # not met yet: strangers, and our half holds more standing
     before.count(["a2"])
     assert offered(vouches(holding, before.weights(holding, live=holding), own=[T1, ours]), mine=ours) == [ours]
+
+
+def test_newcomers_still_at_the_seed_do_not_outweigh_the_swarm_they_join():
+    """4 newcomers at once announce the seed (round 0) until their downloads end; the 2 peers of the swarm hold
+    round 10: the seed is no trained state competing with it (measured: one newcomer started from the seed)."""
+    seed, trained = RoundTag(0, "e" * 16), RoundTag(10, "1" * 16)
+    holding = {"a": [trained], "b": [trained], **{f"new{k}": [seed] for k in range(3)}}
+    assert offered(vouches(holding, own=[seed]), mine=seed) == [trained, seed]

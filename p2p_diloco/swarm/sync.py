@@ -64,8 +64,8 @@ class Vouches:
 
     A state is offered when (1) the standing of the peers that vouch for it reaches ``swarm.state_quorum`` (or the
     standing of all live peers, when less), and (2) it is held, or was passed through, by live peers of at least
-    half the standing of the run (the reader included, for the states it held), or by as much as any other state
-    held now (a split's lineages as large as the largest).
+    half the standing of the run (the reader included, for the states it held), or by as much as any other trained
+    state held now (a split's lineages as large as the largest).
     (2) is what keeps a minority of keys from planting a state: they can vouch for anything, and sign any history,
     but cannot make the honest peers hold it.
     """
@@ -108,7 +108,9 @@ class Vouches:
     def refusals(self, wanted: int, mine: RoundTag | None, by_standing: bool = True) -> dict[RoundTag, str]:
         """Why each tag some peer holds is not offered (a faulty or lying peer, or a minority's state)."""
         quorum, out = self.quorum(wanted, by_standing), {}
-        now = set(self.holders) | set(self.own[-1:])  # the states peers hold now (an older one's support holds theirs)
+        # the trained states peers hold now (an older one's support holds theirs; round 0, the seed, is what every
+        # newcomer holds until its download: 4 newcomers at once outweighed the 2 peers of the swarm, measured)
+        now = {tag for tag in set(self.holders) | set(self.own[-1:]) if tag.round > 0}
         support = {tag: self.support(tag) for tag in now}
         best = max(now, key=lambda tag: (support[tag], tag.round), default=None)
         half = 0.5 * (self.standing(self.live) + (1.0 if self.own else 0.0))
