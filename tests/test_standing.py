@@ -118,3 +118,5 @@ def test_newcomers_still_at_the_seed_do_not_outweigh_the_swarm_they_join():
     seed, trained = RoundTag(0, "e" * 16), RoundTag(10, "1" * 16)
     holding = {"a": [trained], "b": [trained], **{f"new{k}": [seed] for k in range(3)}}
     assert offered(vouches(holding, own=[seed]), mine=seed) == [trained, seed]
+    # and a peer of the swarm reads them without fault (the seed is no state it wants, but it is offered)
+    assert offered(vouches({k: v for k, v in holding.items() if k != "a"}, own=[trained]), mine=trained)[0] == trained

@@ -110,9 +110,8 @@ class Vouches:
         quorum, out = self.quorum(wanted, by_standing), {}
         # the trained states peers hold now (an older one's support holds theirs; round 0, the seed, is what every
         # newcomer holds until its download: 4 newcomers at once outweighed the 2 peers of the swarm, measured)
-        now = {tag for tag in set(self.holders) | set(self.own[-1:]) if tag.round > 0}
-        support = {tag: self.support(tag) for tag in now}
-        best = max(now, key=lambda tag: (support[tag], tag.round), default=None)
+        support = {tag: self.support(tag) for tag in set(self.holders) | set(self.own[-1:])}
+        best = max((tag for tag in support if tag.round > 0), key=lambda tag: (support[tag], tag.round), default=None)
         half = 0.5 * (self.standing(self.live) + (1.0 if self.own else 0.0))
         for tag in self.holders:
             if tag == mine:
