@@ -146,9 +146,10 @@ class Announcements:
         return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
 
     def vouches(self, others: dict[str, dict] | None = None) -> Vouches:
-        """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch).
-        A peer that left (its announcement not refreshed within LIVE seconds) still vouches for what it held, but
-        is neither a donor nor one of the peers the quorum is taken over. ``others``: a read of ``others()`` to use
+        """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch), with
+        each one's weight (``standing``: whom we have averaged with) and our own recent tags. A peer that left (its
+        announcement not refreshed within LIVE seconds) still vouches for what it held, but is neither a donor nor
+        one of the peers the quorum is taken over. ``others``: a read of ``others()`` to use
         instead of reading the DHT again."""
         out = Vouches(own=self.own_tags())
         for peer, announcement in (self.others() if others is None else others).items():

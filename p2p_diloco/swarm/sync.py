@@ -23,11 +23,13 @@ State:   the lock that guards the worker's outer state against hivemind's state-
          ~150 MB for small.yaml); the second is that copy, kept by reference. For a model of 150M parameters and
          more, the copy (1.2 GB, and 2.4 GB of host memory for both, 3.6 GB with the served snapshot) is worth
          weighing.
-Failure: nothing a donor sends raises here. A state too few peers vouch for is not downloaded at all, whatever round
-         it claims (logged: "fewer than N peers vouch for it"); a manifest with another fingerprint, round or part
-         count, or whose parts do not hash to the vouched checksum, and a piece that does not match the manifest,
-         are logged and refused, and other holders are asked (download.py). The checksum is sha256 over the round
-         and the sha256 of each 1 MiB part of the state (state_parts.py), truncated to 64 bits.
+Failure: nothing a donor sends raises here. A state too few peers vouch for, or that too few of the run's live peers
+         hold (Vouches: by standing, standing.py), is not downloaded at all, whatever round it claims (logged:
+         "fewer than N peers vouch for it", "too few of the run's peers hold it or held it"); a manifest with
+         another fingerprint, round or part count, or whose parts do not hash to the vouched checksum, and a piece
+         that does not match the manifest, are logged and refused, and other holders are asked (download.py). The
+         checksum is sha256 over the round and the sha256 of each 1 MiB part of the state (state_parts.py), truncated
+         to 64 bits.
 """
 
 from __future__ import annotations
