@@ -36,16 +36,20 @@ ATTACK_PEER = [sys.executable, str(ROOT / "tests" / "attack_peer.py")]
 
 
 def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: bool = False, attackers: int = 1) -> dict:
-    """Run the 4-peer swarm (peer 3 attacks when ``attack`` is given; ``attackers`` > 1: as many peers on shard 3
-    attack alike, Sybils of one person); the honest peers' records and losses."""
+    """Run the 4-peer swarm (peer 3 attacks when ``attack`` is given); the honest peers' records and losses.
+    ``attackers`` > 1: as many peers on shard 3 attack alike (Sybils of one person), and they come once the honest
+    peers train: a state claimed before anyone trained is not told from a trained one (docs/trust.md, still open)."""
     _, initial = start_bootstrap(spawn)
     dirs = [out / f"peer{k}" for k in range(3 + attackers)]
     # with a late joiner there is one peer more: a group target of 4 would split them every round, and two halves that
     # tie have no majority (see the closing note of #10: such splits can leave honest peers diverged)
-    everyone = [f"swarm.target_group_size={len(dirs) + 1}", f"swarm.start_peers={len(dirs)}"]
+    start = len(dirs) if attackers == 1 else 3
+    everyone = [f"swarm.target_group_size={len(dirs) + 1}", f"swarm.start_peers={start}"]
     linger = ["swarm.linger_seconds=20", *everyone] if late_joiner or attackers > 1 else []
     honest = [start_peer(spawn, initial, d, *SWARM, *linger, f"data.shard_index={k}") for k, d in enumerate(dirs[:3])]
     prefix = [*ATTACK_PEER, *attack] if attack else None
+    if attackers > 1:
+        honest[0].wait_for_line(rf"^round [1-{ROUNDS}]/{ROUNDS} ", timeout=240)
     thirds = [start_peer(spawn, initial, d, *SWARM, *linger, "data.shard_index=3", prefix=prefix) for d in dirs[3:]]
     joined = None
     if late_joiner:
@@ -129,9 +133,9 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
 @pytest.mark.parametrize(("attackers", "refusal"), [(1, "fewer than 2 peers vouch"), (2, "too few of the run's")])
 def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_honest, attackers, refusal):
     """One donor of a bogus state far ahead: fewer than swarm.state_quorum peers vouch for it. Two (Sybil keys of one
-    person, both vouching for the same bogus state and serving it): the quorum is met, but the state is held by too
-    few of the run's peers against the honest ones' (sync.Vouches.offers); neither the joiner nor an honest peer
-    takes it."""
+    person, both vouching for the same bogus state and serving it, coming once the honest peers train): the quorum
+    is met, but the state is held by too few of the run's peers against the honest ones' (sync.Vouches.offers);
+    neither the joiner nor an honest peer takes it."""
     attacked = run_swarm(spawn, tmp_path, ("donor", "6"), late_joiner=True, attackers=attackers)
     joined = attacked["joined"]
     donors = {r["outer_step"]: r["checksum"] for r in records(tmp_path / "peer0")}
