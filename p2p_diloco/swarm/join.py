@@ -91,7 +91,7 @@ class Announcements:
         # gone (not live, or done) is dropped, one missing from a read is kept: a read can come back partial
         self._averaging_seen: dict[str, float] = {}
         self._last_read: tuple[float, dict[str, dict]] | None = None  # (monotonic, _everyone's answer) of the last read
-        self.standing = Standing()  # what our own rounds counted from each peer: its weight in vouches (standing.py)
+        self.standing = Standing()  # whom our own all-reduces counted: each peer's weight in vouches (standing.py)
 
     def own_tags(self) -> list[RoundTag]:
         """Our recent tags, the last the state we hold ([]: a reader that holds no state)."""

@@ -1,4 +1,4 @@
-"""A peer's first-hand standing of the others: whom it has averaged with, and how often.
+"""A peer's first-hand standing of the others: whom it has averaged with.
 
 Inputs:  ``count(peers)`` after each complete all-reduce this peer took part in (the averager's ``averaged_with`` hook,
          before the round's result is settled): ``counted_members`` of its payloads, the members other than us
@@ -8,7 +8,8 @@ Output:  ``weight(peer)``: what a peer's vouch and its holding of a state weigh 
          a read's peers; while no live peer is one we have averaged with (a newcomer, a peer that only ever trained
          alone, one whose mates all left while it was behind) every key weighs 1: we know no one there, so we can only
          count keys, as before standing existed, and a peer never stays locked out of a swarm of strangers.
-State:   complete all-reduces per peer id, in memory: a restarted peer starts again from knowing nobody.
+State:   the peer ids we have completed an all-reduce with, in memory: a restarted peer starts again from knowing
+         nobody.
 Failure: none.
 
 Why first-hand: a newcomer cannot tell honest peers from a clique of Sybil keys by anything they sign (each can sign
@@ -32,24 +33,23 @@ FRESH_WEIGHT = 0.25  # what a stranger's key weighs, once we have averaged with 
 
 
 class Standing:
-    """Complete all-reduces per peer, as this peer's own saw them (see the module docstring)."""
+    """The peers we have averaged with, as this peer's own all-reduces saw them (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.counted: dict[str, int] = {}
+        self.known: set[str] = set()
 
     def count(self, peers: Iterable[str]) -> None:
-        """One more complete all-reduce counted a Δ from each of ``peers``."""
-        for peer in peers:
-            self.counted[peer] = self.counted.get(peer, 0) + 1
+        """A complete all-reduce counted a Δ from each of ``peers``."""
+        self.known.update(peers)
 
     def weight(self, peer: str) -> float:
         """``peer``'s weight in vouching and holding states: 1 if we have averaged with it, else FRESH_WEIGHT."""
-        return 1.0 if self.counted.get(peer, 0) else FRESH_WEIGHT
+        return 1.0 if peer in self.known else FRESH_WEIGHT
 
     def weights(self, peers: Iterable[str], live: Iterable[str]) -> dict[str, float]:
         """The weights of ``peers``: ``weight`` each while one of the ``live`` peers is one we averaged with, else 1."""
-        known = any(self.counted.get(peer, 0) for peer in live)
-        return {peer: self.weight(peer) if known else 1.0 for peer in peers}
+        anyone = not self.known.isdisjoint(live)
+        return {peer: self.weight(peer) if anyone else 1.0 for peer in peers}
 
 
 def counted_members(payloads: Mapping[str, GatherPayload], me: str, dropped: Mapping[str, int]) -> list[str]:
