@@ -179,8 +179,8 @@ def test_summary_headlines_targets_and_not_run(tmp_path):
     assert "not in the form this summary reads (KeyError)" in rows["7. Shaped links"][1]
     many = rows["14. Many peers"]
     assert many[1] == (
-        "16 peers in groups of 4: 0% peer-rounds lost, one state every round, 1.071x the byte bound; "
-        "32 peers in groups of 8: 95% peer-rounds lost, 2 final states (stopped by hand)"
+        "16 peers (groups of 4): one state every round in 1 of 1 run, 0% peer-rounds lost, 1.071x the byte bound; "
+        "32 peers (groups of 8): one state every round in 0 of 1 run, 95% peer-rounds lost (stopped by hand)"
     )  # the smoke case is left out
     assert many[2:] == ["1 state a round", "1 of 2", "2026-01-05 to 01-06"]
     assert "smoke_6 (14)" in text.split("## Detail", 1)[1]  # said where it was left out
@@ -194,3 +194,13 @@ def test_summary_reads_every_committed_result():
     present = {render.SHORT[p.stem] for p in (BENCH / "results").glob("*.json") if p.stem in render.SHORT}
     assert present and all(rows[name][1] != "not run" for name in present)
     assert "not in the form" not in text
+
+
+def test_a_long_problem_note_is_cut_to_its_first_line():
+    escaped = "peers {'51': \"SwarmUnreachableError: no initial peer answered.\\n  tried: ...\"}"  # a repr: "\\n"
+    assert render._first_line(escaped) == (
+        "peers {'51': \"SwarmUnreachableError: no initial peer answered. [...] (whole text in the result file)"
+    )
+    assert render._first_line("timeout\nsecond line").startswith("timeout [...]")
+    long = " ".join(["word"] * 200)
+    assert len(render._first_line(long)) < 360 and render._first_line("short") == "short"

@@ -462,17 +462,27 @@ def _s_one_state(d: dict[str, Any]) -> Headline:
     return head, "1 state a round", met
 
 
+def _failure(problem: str) -> str:
+    """A scale run's problem in two words: peers that failed (at start) or the run's own error (timeout...)."""
+    return "peers failed" if re.match(r"peers |\d+ peer", problem) else problem.split(":")[0]
+
+
 def _s_scale(d: dict[str, Any]) -> Headline:
+    """One clause per swarm size: runs, how many ended every round on one state, the lost share's span."""
     cases = _swarm_cases(d)
     parts = []
-    for c in cases:
-        text = f"{c['peers']} peers in groups of {c['group']}: {100 * c['lost_share']:.0f}% peer-rounds lost, " + (
-            "one state every round" if _one_every_round(c) else f"{c['final_states']} final states"
-        )
-        if _one_every_round(c):
-            text += f", {c['median_bytes_over_bound']:.3f}x the byte bound"
-        if c.get("problem"):
-            text += " (" + c["problem"].split(":")[0] + ")"
+    for peers in sorted({c["peers"] for c in cases}):
+        runs = [c for c in cases if c["peers"] == peers]
+        ones = sum(_one_every_round(c) for c in runs)
+        lost = _span([c["lost_share"] for c in runs], lambda x: f"{100 * x:.0f}%")
+        text = f"{peers} peers (groups of {_span([c['group'] for c in runs], str)}): one state every round in {ones} "
+        text += f"of {len(runs)} run{'s' * (len(runs) > 1)}, {lost} peer-rounds lost"
+        bound = [c["median_bytes_over_bound"] for c in runs if _one_every_round(c)]
+        if bound:
+            text += f", {_span(bound, lambda x: f'{x:.3f}x')} the byte bound"
+        failed = [_failure(c["problem"]) for c in runs if c.get("problem")]
+        if failed:
+            text += f" ({', '.join(sorted(set(failed)))})"
         parts.append(text)
     ones = [_one_every_round(c) for c in cases]
     met = "yes" if all(ones) else "no" if not any(ones) else f"{sum(ones)} of {len(ones)}"
@@ -569,6 +579,14 @@ def swarm_detail(found: dict[str, dict[str, Any] | None]) -> list[str]:
         return [f"Items 13 and 14: results present, not in the form this page reads ({type(e).__name__}).", ""]
 
 
+def _first_line(text: str, limit: int = 300) -> str:
+    """A note cut to its first line (a real or an escaped newline) and ``limit`` characters, saying so when cut."""
+    line = re.split(r"\n|\\n", text, maxsplit=1)[0]
+    if len(line) > limit:
+        line = line[:limit].rsplit(" ", 1)[0]
+    return line if line == text else f"{line} [...] (whole text in the result file)"
+
+
 def _swarm_table(found: dict[str, dict[str, Any] | None], cases: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = [
         "### Items 13 and 14, per case (one_state.json, scale.json)",
@@ -596,7 +614,7 @@ def _swarm_table(found: dict[str, dict[str, Any] | None], cases: list[tuple[str,
         lines.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")
         for key in ("problem", "note"):
             if c.get(key):
-                notes.append(f"- {c['name']} ({title.split('.')[0]}): {c[key]}")
+                notes.append(f"- {c['name']} ({title.split('.')[0]}): {_first_line(c[key])}")
     smoke = [f"{k} ({t.split('.')[0]})" for item, t in SWARM_ITEMS for k in (found.get(item) or {}).get("cases", {})]
     smoke = [k for k in smoke if k.startswith("smoke")]
     if smoke:

@@ -360,8 +360,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                 dht_calls[key] += value
             start_retries += len(report["start_retries"])
             bad = {k: r for k, r in report["results"].items() if r != "0"}
-            if bad:
-                problem += f"peers {bad}; "
+            if bad:  # one line per distinct failure, with the peers it hit (a whole message each is unreadable)
+                reasons = Counter(r.splitlines()[0] for r in bad.values())
+                problem += "; ".join(f"{n} peer(s) failed: {why}" for why, n in reasons.items()) + "; "
     except Exception as exc:  # noqa: BLE001 - recorded; everything is killed below
         problem += f"{type(exc).__name__}: {exc}; " + " | ".join(h.describe(5) for h in hosts[:2])
     finally:
