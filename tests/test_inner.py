@@ -43,6 +43,7 @@ def test_workers_of_different_speeds_end_a_budgeted_round_together_with_the_same
 
     def slow_step(k: int, loss: float) -> None:
         time.sleep(2 * step_seconds[-1] / len(step_seconds))
+        slow_ended.append(time.time())
 
     time.sleep(round_end(1.5, time.time()) - time.time() + 0.01)  # each starts its round at its beginning
     t0 = time.time()
@@ -52,18 +53,24 @@ def test_workers_of_different_speeds_end_a_budgeted_round_together_with_the_same
     assert end - 1.5 <= t0 < end and ended[-2] < end  # no step began after the round's end
     # the slow worker starts as the fast one's round ends: the next window of the same grid
     time.sleep(max(0.0, end - time.time() + 0.01))
+    slow_ended = [time.time()]
     slow_stats = slow.train_inner(slow_step)
     assert slow.round_ends_at == end + 1.5
     assert 1 <= slow_stats.steps < fast_stats.steps < 1000
     assert slow_stats.tokens < fast_stats.tokens
 
-    # the lr of each one's last step: the round's clock near its end (rounds done 0 + share ~1) x H
-    near_end = lr_at(1000 * 0.9, cfg.inner, 4 * 1000)
-    for worker, stats in ((fast, fast_stats), (slow, slow_stats)):
+    # the lr of each one's last step is the round's clock when that step began (rounds done 0 + its share of the
+    # round) x H, or later: at most the lr of the moment the step before it ended. Bounded by the measured times,
+    # not by "the last 10% of the round": on a loaded machine one step can take longer than that
+    for worker, stats, ends in ((fast, fast_stats, ended), (slow, slow_stats, slow_ended)):
+        began = (ends[-2] - (worker.round_ends_at - 1.5)) / 1.5  # the last step's start, as a share of the round
+        assert began > 0.5, (stats.steps, began)  # several steps, the last one late in the round
         last_lr = worker.inner.optimizer.param_groups[0]["lr"]
-        assert last_lr <= near_end, (stats.steps, last_lr, near_end)
+        assert last_lr <= lr_at(1000 * began, cfg.inner, 4 * 1000) * (1 + 1e-9), (stats.steps, last_lr, began)
+    # by its step count (a few dozen at most) the slow one would be at the schedule's top: lr_at(500) of 4000
+    # cosine steps (its last step began past half the round) is 0.963 of lr_at(100)
     by_steps = lr_at(slow_stats.steps, cfg.inner, 4 * 1000)
-    assert slow.inner.optimizer.param_groups[0]["lr"] < 0.9 * by_steps
+    assert slow.inner.optimizer.param_groups[0]["lr"] < 0.97 * by_steps
 
 
 def test_a_round_whose_end_has_all_but_passed_still_takes_one_step():
