@@ -32,6 +32,11 @@ scripts/bench/results/scale.json (``--out`` elsewhere):
                           node's too), sampled each second from /proc
     memory                the machine's peak memory in use (MemTotal - MemAvailable) over the run, less before it;
                           per peer; and the peak summed PSS of the processes
+What fits here: a p2pd holds 60-70 MB of RSS even idle (41 daemons on 127.0.0.1, 8 connections each, 2026-12-05:
+71 MB with hivemind's defaults, 67.5 without AutoNAT and NAT port mapping, 62.8 with libp2p's DHT in client mode),
+and the peer's share of its host process about as much again: 138 MB a peer at 128 peers, so 256 peers need ~35 GB,
+more than a 24 GB machine has. ``--p2pd-memory-limit`` under a daemon's live heap (24MiB) does not shrink it: Go's
+collector then runs without pause (~6% of a core per idle daemon).
 Logs: each host process writes its peers' account (p2p_diloco at INFO; with ``--matchmaking-log`` also hivemind's
 matchmaking at DEBUG) to ``host<first peer>.log`` in the run's workdir, named in the result.
 Failure: a host process that exits non-zero or a run over ``--timeout`` is noted in ``problem``; every process
