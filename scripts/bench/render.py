@@ -612,10 +612,11 @@ def _swarm_table(found: dict[str, dict[str, Any] | None], cases: list[tuple[str,
             str(c.get("utc", "-"))[:10],
         ]
         lines.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")
+        case = f"- {c['name']} ({title.split('.')[0]}): "
         if c.get("problem"):  # machine text (a peer's whole error each): its first line; the rest is in the file
-            notes.append(f"- {c['name']} ({title.split('.')[0]}): {_first_line(c['problem'])}")
+            notes.append(case + _first_line(c["problem"]))
         if c.get("note"):  # a person's words, whole
-            notes.append(f"- {c['name']} ({title.split('.')[0]}): {c['note']}")
+            notes.append(case + c["note"])
     smoke = [f"{k} ({t.split('.')[0]})" for item, t in SWARM_ITEMS for k in (found.get(item) or {}).get("cases", {})]
     smoke = [k for k in smoke if k.startswith("smoke")]
     if smoke:
