@@ -54,6 +54,8 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
     joined = None
     if late_joiner:
         honest[0].wait_for_line(rf"^round [2-{ROUNDS}]/{ROUNDS} ", timeout=240)
+        for third in thirds:  # each has stored its bogus announcement by then (Membership.announce before the line)
+            third.wait_for_line(r"^joined at round", timeout=120)
         late = start_peer(spawn, initial, out / "late", *SWARM, *linger, "data.shard_index=0", "swarm.start_peers=1")
         match = late.wait_for_line(r"joined at round (\d+) with checksum (\w+)", timeout=120)
         joined = {"round": int(match.group(1)), "checksum": match.group(2), "output": late.describe()}
