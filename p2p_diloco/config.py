@@ -150,10 +150,15 @@ class SwarmConfig:
     state_timeout: float = 60.0
     part_size_bytes: int = 2 * 1024 * 1024  # of fp32 values: each part holds part_size_bytes / 4 values, any codec
     # How Δ and the group's mean travel (p2p_diloco/codec.py): none (fp32) | fp16 | bf16 | int8 (blockwise absmax,
-    # 128 values per fp32 scale, 1.03 bytes a value); reducers sum in fp32. Part of the fingerprint. int8 by default:
-    # at equal tokens its final eval loss was 0.998 of fp32's (tiny H 100, 3 seeds: 0.996, 0.992, 1.005; small 2
-    # seeds: 1.000, 0.997) for 3.88x fewer bytes (docs/compression.md); fp16/bf16 halve the bytes at the same quality.
+    # 128 values per fp32 scale, 1.03 bytes a value) | int4 (64 values a scale, 0.5625 bytes); reducers sum in fp32.
+    # Part of the fingerprint. int8 by default: at equal tokens its final eval loss was 0.998 of fp32's (tiny H 100,
+    # 3 seeds: 0.996, 0.992, 1.005; small 2 seeds: 1.000, 0.997) for 3.88x fewer bytes (docs/compression.md);
+    # fp16/bf16 halve the bytes at the same quality.
     compression: str = "int8"
+    # A lossy codec's error carried into the next round (engine.py): each peer adds to its Δ what the codec left out of
+    # the Δ it sent last (kept in its checkpoint, restored on --resume), so over rounds the whole Δ reaches the
+    # swarm. Not part of the fingerprint: it changes what one peer sends, not how the group reduces it.
+    error_feedback: bool = False
     # none: the peer waits for the round's all-reduce | eager: it sends Δ and goes on at once from the look-ahead
     # (the outer step with its own Δ, on a copy); after overlap_steps inner steps it settles the group's Δ̄ exactly
     # as a blocking round (waiting there if the exchange is not done) and carries overlap_carry of those steps'
@@ -250,7 +255,7 @@ _CHOICES = {
     "inner.schedule": ("cosine", "constant"),
     "swarm.alone_policy": ("local", "wait"),
     "swarm.aggregation": ("mean", "median_filter", "median_clip", "centered_clip"),  # = robust.RULES
-    "swarm.compression": ("none", "fp16", "bf16", "int8"),  # = codec.CODECS
+    "swarm.compression": ("none", "fp16", "bf16", "int8", "int4"),  # = codec.CODECS
     "swarm.overlap": ("none", "eager", "delayed"),
     "logging.wandb_mode": ("offline", "online"),
 }

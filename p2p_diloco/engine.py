@@ -54,6 +54,7 @@ from typing import Any, Protocol
 
 import torch
 
+from p2p_diloco.codec import get_codec, roundtrip_parts
 from p2p_diloco.config import Config
 from p2p_diloco.inner import InnerOptimizer, InnerStats, round_end
 from p2p_diloco.model import autocast, build_model, resolve_device
@@ -138,6 +139,9 @@ class Contribution:
     pseudo_grad: list[torch.Tensor]
     payload: GatherPayload
     inner: InnerStats
+    # swarm.error_feedback: what the wire's codec leaves out of ``pseudo_grad`` (it minus its round trip), the
+    # worker's residual once this round's Δ counted (``Worker.settle``); None without error feedback
+    residual: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -277,6 +281,9 @@ class Worker:
         # rounds trained whose Δ̄ did not move this outer state (discarded, resynced), for the caller to report
         # (``take_lost``): every round a peer trains shows in its metrics, whatever became of it
         self.lost: list[RoundResult] = []
+        # swarm.error_feedback: the part of earlier rounds' Δ the codec left out, added to the next Δ sent (fp32 CPU;
+        # None: nothing owed). Only this worker holds it: it goes into local_state, not the replicated state.
+        self.residual: list[torch.Tensor] | None = None
 
     def _counted(self, batches: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         for batch in batches:
@@ -285,7 +292,8 @@ class Worker:
 
     def local_state(self) -> dict[str, Any]:
         """What only this worker holds: inner optimizer state and how far into its shard it has read."""
-        return {"inner_optimizer": self.inner.optimizer.state_dict(), "batches_taken": self.batches_taken}
+        out = {"inner_optimizer": self.inner.optimizer.state_dict(), "batches_taken": self.batches_taken}
+        return out if self.residual is None else {**out, "residual": [r.clone() for r in self.residual]}
 
     def restore_local_state(self, saved: dict[str, Any]) -> None:
         """Continue from ``local_state()`` of an earlier run of this worker: same moments, next batches.
@@ -301,8 +309,15 @@ class Worker:
                             f"{name} of parameter {index} is {list(value.shape)}, the model's is "
                             f"{list(params[index].shape)}"
                         )
+            residual = saved.get("residual")  # absent: saved without error feedback (or before it existed)
+            if residual is not None:
+                shapes = [list(a.shape) for a in self.state.anchor]
+                if [list(r.shape) for r in residual] != shapes:
+                    raise ValueError(f"the error feedback residual's shapes are not the model's {shapes}")
+                residual = [r.to("cpu", torch.float32).clone() for r in residual]
             self.inner.optimizer.load_state_dict(saved["inner_optimizer"])
             skip = int(saved["batches_taken"]) - self.batches_taken
+            self.residual = residual
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"saved worker state does not fit this model and optimizer: {exc}") from None
         for _ in range(skip):
@@ -470,8 +485,19 @@ class Worker:
                 self.reset_params()
                 raise RuntimeError("an exchange is in flight: contribute needs its drain")
             drain()
-        delta = self.pseudo_grad()
-        return Contribution(delta, GatherPayload(self.tag(), stats.tokens), stats)
+        delta, residual = self.with_feedback(self.pseudo_grad())
+        return Contribution(delta, GatherPayload(self.tag(), stats.tokens), stats, residual)
+
+    def with_feedback(self, delta: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """swarm.error_feedback: (Δ + the residual owed, what the codec leaves out of that); without it (Δ, None).
+        What the codec leaves out is exact: the swarm's parts are encoded as ``roundtrip_parts`` cuts them."""
+        s = self.cfg.swarm
+        if not s.error_feedback or s.compression == "none":
+            return delta, None
+        if self.residual is not None:
+            delta = [d.add(r) for d, r in zip(delta, self.residual, strict=True)]
+        carried = roundtrip_parts(delta, get_codec(s.compression), s.part_size_bytes // 4)
+        return delta, [d.sub(c) for d, c in zip(delta, carried, strict=True)]
 
     def settle(
         self,
@@ -487,6 +513,8 @@ class Worker:
         if decision.action is Action.LOCAL_STEP:
             averaged = mine.pseudo_grad  # whatever the group computed, a local step is our own
         done = self._carry_out(decision, averaged, info, sync)
+        if done is not None and mine.residual is not None:  # Δ sent went into the state: the codec's loss is owed
+            self.residual = None if decision.action is Action.LOCAL_STEP else mine.residual  # (a local step: none)
         if done is None:
             self.state.copy_to(self.model.parameters())  # θ back to the (possibly downloaded) anchor
             lost = RoundResult(self.state.round, mine.inner, info, self.tag_soon(), 0.0, None, decision.action)

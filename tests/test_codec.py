@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from p2p_diloco.codec import BLOCK, CODECS, Codec, CodecError, get_codec, roundtrip_parts
+from p2p_diloco.codec import BLOCK, CODECS, INT4_BLOCK, Codec, CodecError, get_codec, roundtrip_parts
 from p2p_diloco.swarm.butterfly import WireCodec
 
 
@@ -16,7 +16,7 @@ def _part(numel: int = 1000, seed: int = 0, scale: float = 1e-3) -> torch.Tensor
 
 
 @pytest.mark.parametrize("name", CODECS)
-@pytest.mark.parametrize("numel", [1, 127, 128, 129, 1000])
+@pytest.mark.parametrize("numel", [1, 2, 63, 64, 65, 127, 128, 129, 1000])
 def test_the_encoding_has_exactly_the_stated_size_and_decodes_to_the_roundtrip(name, numel):
     codec = get_codec(name)
     part = _part(numel)
@@ -41,15 +41,24 @@ def test_float_codecs_round_each_value_to_nearest(name, bound):
     assert bool((err <= bound * part.abs() + floor).all()), float((err / part.abs()).max())
 
 
-def test_int8_error_is_at_most_half_a_step_of_its_block():
-    # blocks of very different scales
-    part = torch.cat([_part(BLOCK, 1, 1e-6), _part(BLOCK, 2, 1.0), _part(77, 3, 1e-2)])
-    out = Codec("int8").roundtrip(part)
-    for start in range(0, part.numel(), BLOCK):
-        block, got = part[start : start + BLOCK], out[start : start + BLOCK]
-        step = float(block.abs().max()) / 127
-        assert float((got - block).abs().max()) <= 0.5 * step * (1 + 1e-5)
-    assert float(out[:BLOCK].abs().max()) > 0  # a tiny block keeps its own scale, not the large block's
+@pytest.mark.parametrize(("name", "block", "levels"), [("int8", BLOCK, 127), ("int4", INT4_BLOCK, 7)])
+def test_integer_codec_error_is_at_most_half_a_step_of_its_block(name, block, levels):
+    # blocks of very different scales, and an odd tail (int4 packs two codes a byte)
+    part = torch.cat([_part(block, 1, 1e-6), _part(block, 2, 1.0), _part(77, 3, 1e-2)])
+    out = Codec(name).roundtrip(part)
+    for start in range(0, part.numel(), block):
+        chunk, got = part[start : start + block], out[start : start + block]
+        step = float(chunk.abs().max()) / levels
+        assert float((got - chunk).abs().max()) <= 0.5 * step * (1 + 1e-5)
+        assert float((got - chunk).abs().max()) > 0  # it does quantize (a bound that holds for any codec is no test)
+    assert float(out[:block].abs().max()) > 0  # a tiny block keeps its own scale, not the large block's
+    assert float(out.abs().max()) == float(part.abs().max())  # a block's largest value is exact (its scale's code)
+
+
+def test_int4_packs_the_low_nibble_first():
+    data = Codec("int4").encode(torch.tensor([7.0, -7.0, 0.0]))
+    assert data[:4] == torch.tensor([1.0]).numpy().tobytes()  # the block's scale: absmax / 7
+    assert data[4:] == bytes([(7 + 8) | ((-7 + 8) << 4), (0 + 8) | ((0 + 8) << 4)])  # codes 7, -7 | 0, padding 0
 
 
 def test_zeros_and_fp16_overflow_stay_finite():
@@ -94,5 +103,12 @@ def test_roundtrip_parts_cuts_each_tensor_as_the_swarm_does():
 def test_compressed_sizes_per_value():
     numel = 1 << 20
     ratios = {name: get_codec(name).encoded_size(numel) / (4 * numel) for name in CODECS}
-    assert ratios == {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": (1 + 4 / BLOCK) / 4}
+    assert ratios == {
+        "none": 1.0,
+        "fp16": 0.5,
+        "bf16": 0.5,
+        "int8": (1 + 4 / BLOCK) / 4,
+        "int4": (0.5 + 4 / INT4_BLOCK) / 4,
+    }
     assert math.isclose(get_codec("int8").bytes_per_value, 1 + 4 / BLOCK)
+    assert math.isclose(get_codec("int4").bytes_per_value, 0.5 + 4 / INT4_BLOCK)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state, save_round
+from p2p_diloco.codec import get_codec, roundtrip_parts
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.engine import ReduceInfo, Worker, fp32_bytes_sent
 from p2p_diloco.inner import lr_at
@@ -515,3 +516,39 @@ def test_a_settled_round_is_hashed_in_the_background_and_the_next_outer_step_wai
         assert worker.tag_soon().result() == worker.tag()  # hashed before: done at once
     finally:
         worker.close()
+
+
+def test_error_feedback_sends_what_the_codec_left_out_in_the_next_round_and_keeps_it_through_a_checkpoint(tmp_path):
+    """swarm.error_feedback with int4: round t sends Δ_t + r_{t-1}, and r_t is what the wire's round trip left out of
+    that (exactly: the parts are cut as the swarm cuts them). So over rounds the state moves by the sum of the Δ minus
+    only the last residual, and the residual travels in local_state through a checkpoint. A local step applies the
+    whole Δ sent: nothing is owed after it."""
+    cfg = load_config(TINY, ["inner.steps=2", "train.rounds=4", "swarm.compression=int4", "swarm.error_feedback=true"])
+    codec, part_values = get_codec("int4"), cfg.swarm.part_size_bytes // 4
+    worker, owed = Worker(cfg, 257, _batches(3)), None
+    for _ in range(3):
+        mine = worker.contribute()
+        raw = worker.pseudo_grad()  # θ is where the inner steps ended until the round settles
+        expected = raw if owed is None else [d + r for d, r in zip(raw, owed)]
+        assert all(torch.equal(a, b) for a, b in zip(mine.pseudo_grad, expected))
+        carried = roundtrip_parts(mine.pseudo_grad, codec, part_values)
+        info = ReduceInfo(group_size=1, complete=True, attempts=1, gathered=Gathered({"me": mine.payload}))
+        assert worker.settle(mine, carried, info, RoundRules()) is not None
+        owed = worker.residual
+        assert all(torch.equal(r, d - c) for r, d, c in zip(owed, mine.pseudo_grad, carried))
+        assert max(float(r.abs().max()) for r in owed) > 0  # int4 does lose something each round
+    save_round(tmp_path, worker.state, worker_state=worker.local_state())
+    again = Worker(cfg, 257, _batches(3))
+    again.restore_local_state(load_worker_state(latest_checkpoint(tmp_path)))
+    assert all(torch.equal(a, b) for a, b in zip(again.residual, owed))
+
+    mine = worker.contribute()  # a group that failed: this peer steps alone with the Δ it sent, residual included
+    alone = ReduceInfo(group_size=1, complete=False, attempts=1, gathered=Gathered({"me": mine.payload}))
+    assert worker.settle(mine, mine.pseudo_grad, alone, RoundRules()) is not None
+    assert worker.residual is None and "residual" not in worker.local_state()
+
+    plain = Worker(load_config(TINY, ["inner.steps=2", "swarm.compression=int4"]), 257, _batches(3))
+    assert plain.contribute().residual is None  # off by default
+    short = {**again.local_state(), "residual": [r[:1] for r in owed]}
+    with pytest.raises(ValueError, match="residual's shapes are not the model's"):
+        plain.restore_local_state(short)

@@ -5,6 +5,7 @@ Usage:
     python scripts/bench/compression_quality.py --preset tiny --jobs 2 --seeds 0 1 2 3
     python scripts/bench/compression_quality.py --preset small --rounds 6 --h 50 --taus 2 5
     python scripts/bench/compression_quality.py --smoke [--out DIR/compression_quality.json]  # tiny, 2 cases, 3 rounds
+    python scripts/bench/compression_quality.py --codecs none int8 int4 int4+ef --seeds 0 1   # blocking, these only
 
 Each case is one ``python -m p2p_diloco.simulate --mode diloco --workers 4`` run (a fresh single-threaded process,
 ``--jobs`` at a time; runs are seeded and deterministic, so running them side by side changes only their wall time)
@@ -19,6 +20,8 @@ steps per worker (equal tokens). Cases per preset:
             the seed-to-seed noise)
     with ``--delayed``, also: delayed int8 (engine.py: eager without the look-ahead) at τ_rec on every seed, and at
             τ = H (Δ̄ one round late) on seed 0
+With ``--codecs``, the plan is instead each listed codec, blocking, at every seed (a ``+ef`` suffix: with
+``swarm.error_feedback``, engine.py: the codec's loss carried into the next round's Δ).
 τ_rec is ``--tau-rec`` (default 10; the simulator's exchange takes no time, so a case sets τ: the swarm's default
 ``swarm.overlap_steps`` 0 adapts it to the measured exchange). Each case's final eval loss is compared with
 the blocking none run of the same preset and seed ("ratio"); the seeds table gives each combination's mean ratio. A
@@ -100,10 +103,13 @@ def mem_available_mib() -> float:
     return float("inf")
 
 
+CODEC_ORDER = ("none", "fp16", "bf16", "int8", "int8+ef", "int4", "int4+ef")
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     preset: str
-    compression: str
+    compression: str  # a codec, with "+ef" for swarm.error_feedback on
     overlap: str
     tau: int  # swarm.overlap_steps (0 for blocking)
     seed: int
@@ -138,6 +144,11 @@ def plan(preset: str, taus: list[int], tau_rec: int, seeds: list[int], delayed: 
     return out
 
 
+def codec_plan(preset: str, codecs: list[str], seeds: list[int]) -> list[Case]:
+    """``--codecs``: each codec (``+ef``: with error feedback) blocking, at every seed."""
+    return [Case(preset, c, "none", 0, seed, "codec") for seed in seeds for c in codecs]
+
+
 def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
     spec = PRESETS[case.preset]
     rounds = args.rounds or spec["rounds"]
@@ -150,7 +161,8 @@ def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
         f"inner.steps={h}",
         f"train.rounds={rounds}",
         "train.checkpoint_every=0",
-        f"swarm.compression={case.compression}",
+        f"swarm.compression={case.compression.removesuffix('+ef')}",
+        f"swarm.error_feedback={case.compression.endswith('+ef')}",
         f"swarm.overlap={case.overlap}",
         *eager,
         f"seed={case.seed}",
@@ -280,9 +292,7 @@ def tables(records: dict[tuple, dict[str, Any]], presets: list[str]) -> str:
         if not seeds:
             continue
         rows = [r for k, r in records.items() if k[0] == preset and k[4] == seeds[0]]
-        rows.sort(
-            key=lambda r: (r["overlap"] != "none", r["tau"], ["none", "fp16", "bf16", "int8"].index(r["compression"]))
-        )
+        rows.sort(key=lambda r: (r["overlap"] != "none", r["tau"], CODEC_ORDER.index(r["compression"])))
         lines += [
             f"\n{preset} (seed {seeds[0]}; ratio = final eval loss / blocking none's)\n",
             "| setting | final eval loss | ratio | MB sent/worker | wall s | status |",
@@ -336,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", action="store_true", help="keep the finished cases of the --out file that have the same settings"
     )
     p.add_argument("--delayed", action="store_true", help="also the delayed overlap cases (module doc)")
+    p.add_argument("--codecs", nargs="+", choices=CODEC_ORDER, default=None, help="only these codecs, blocking")
     p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
     args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
     exit_on_sigterm()
@@ -362,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     if args.smoke:  # 2 cases: the reference and eager int8
         queue = [Case("tiny", "none", "none", 0, 0, "codec"), Case("tiny", "int8", "eager", 2, 0, "tau")]
+    elif args.codecs:
+        order = sorted(args.preset, key=lambda n: n != "small")
+        queue = [c for preset in order for c in codec_plan(preset, args.codecs, settings[preset]["seeds"])]
     else:  # the longest runs first (small), so that the short ones fill the end
         queue = [
             c
