@@ -98,20 +98,25 @@ def finish(procs, timeout: float) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("compression", "overlap", "tolerance"),
-    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("none", "delayed", 1e-5), ("int8", "eager", 1e-4)],
-    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "int8-eager"],
+    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("none", "delayed", 1e-5), ("int4+ef", "eager", 4e-3)],
+    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "int4-feedback-eager"],
 )
 def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, compression, overlap, tolerance):
     """Bitwise agreement of every member every round, bytes as the codec encodes them, and the simulator's result.
-    With int8 the simulator's mean of a value can differ from a reducer's in the last bit (the senders are summed in
-    another order); a value near a rounding boundary then lands one int8 step away (seen: 2.4e-5), so 1e-4 there."""
+    With a quantizing codec the simulator's mean of a value can differ from a reducer's in the last bit (the senders
+    are summed in another order); a value near a rounding boundary then lands one step away (int8: seen 2.4e-5; an
+    int4 step of tiny's Δ̄ is up to ~1e-3, times the Nesterov step's (1 + m) lr), hence the looser bound on the
+    largest difference there, and the share of values that differ at all must stay small: a simulator that missed
+    what the peers do (error feedback, a codec's cut into parts) would move nearly every value. int4 runs with
+    swarm.error_feedback: each peer's residual is its own, kept from its own Δ."""
     boot, initial = start_bootstrap(spawn)
     rounds = [  # swarm.target_group_size as the preset has it (16): the group forms once the 3 live peers are in
         "train.rounds=3",
         "data.num_shards=3",
         "swarm.min_group_size=3",
         "swarm.start_peers=3",
-        f"swarm.compression={compression}",
+        f"swarm.compression={compression.removesuffix('+ef')}",
+        f"swarm.error_feedback={compression.endswith('+ef')}",
         f"swarm.overlap={overlap}",
         "swarm.overlap_steps=2",  # eager, delayed: round r's Δ̄ is settled after 2 of round r+1's 5 inner steps
     ]
@@ -175,9 +180,11 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     sim, _ = load_outer_state(tmp_path / "sim" / "final_state")
     swarm, _ = load_outer_state(latest_checkpoint(dirs[0] / "checkpoints"))
     assert swarm.round == sim.round == 3
-    diff = max((a - b).abs().max().item() for a, b in zip(swarm.anchor + swarm.momentum, sim.anchor + sim.momentum))
-    print(f"swarm vs simulator ({compression}, overlap {overlap}): max abs difference {diff:.3g}")
-    assert diff <= tolerance
+    pairs = list(zip(swarm.anchor + swarm.momentum, sim.anchor + sim.momentum))
+    diff = max((a - b).abs().max().item() for a, b in pairs)
+    differ = sum(int(((a - b).abs() > 1e-6).sum()) for a, b in pairs) / sum(a.numel() for a, _ in pairs)
+    print(f"swarm vs simulator ({compression}, overlap {overlap}): max abs difference {diff:.3g}, {differ:.2%} differ")
+    assert diff <= tolerance and differ < 0.01
 
 
 @pytest.mark.timeout(240)

@@ -1,7 +1,7 @@
 """Item 7: communication on shaped links: a swarm whose peers each sit behind a tbf-capped link.
 
 Usage (as root: it builds network namespaces, see scripts/bench/netns.py and ../shared/docs/network-lab.md):
-    python scripts/bench/netlab.py                      # tiny and small x 20/100/500 Mbit/s x 8 settings (long)
+    python scripts/bench/netlab.py                      # tiny and small x 20/100/500 Mbit/s x 10 settings (long)
     python scripts/bench/netlab.py --case tiny:configs/tiny.yaml --rate 100 --setting '' --rounds 3
     python scripts/bench/netlab.py --setting 'swarm.compression=int8,swarm.overlap=eager' --setting ''
     python scripts/bench/netlab.py --smoke [--out DIR/netlab.json]   # 2 tiny peers, 100 Mbit/s, H=2, 2 rounds
@@ -26,6 +26,8 @@ next round's; with 2 rounds, round 2 up to its record):
     utilisation           = sum(compute_seconds) / (time of the last record - time of the first record)
     sent per round        = mean bytes_sent (payload the averager handed to p2pd)
     wire time             = sent x 8 / rate: the least time the capped link needs for it
+    peak send rate        = the most any peer's link sent in 1 s (netns.TxSampler: its namespace's counters every
+                            0.1 s over the whole run, start-up included; on a capped link at most the cap)
 averaged over the peers. The JSON also has each home's kernel link counters for the case (bytes on the wire,
 all traffic included; tbf drops) and the all-reduce goodput (sent x 8 / allreduce_seconds).
 Settings are checked against the config schema first: a setting whose keys the config does not know (yet)
@@ -36,7 +38,7 @@ the end). Failure: a swarm past ``--timeout`` or a peer exiting non-zero is kill
 ``problem``; a case whose all-reduce failed in some counted rounds says so in its figure (those peers took
 local steps). Exit code 3 (and nothing written) when network namespaces cannot be used here (not root, refused).
 Run time on 2 cores: the smoke run about 25-45 s; a tiny case about 45-70 s; a small case 3-9 min (20 Mbit/s
-fp32: every round's all-reduce times out twice). The full default sweep (48 cases) takes hours, which is why it
+fp32: every round's all-reduce times out twice). The full default sweep (60 cases) takes hours, which is why it
 is not one of run_all.py's items (each gets 900 s there) and needs to be run on its own.
 """
 
@@ -67,7 +69,7 @@ from benchlib import (  # noqa: E402
     single_thread_env,
     steady_rounds,
 )
-from netns import Lab, LabError, unavailable  # noqa: E402
+from netns import Lab, LabError, TxSampler, unavailable  # noqa: E402
 
 ITEM = "netlab"
 EXIT_GRACE = 15.0  # seconds a peer may take to exit after every peer recorded its last round
@@ -76,7 +78,9 @@ DEFAULT_CASES = [
     "small:configs/small.yaml:data.batch_size=1,data.seq_len=32",
 ]
 DEFAULT_SETTINGS = [
-    f"swarm.compression={c},swarm.overlap={o}" for c in ("none", "fp16", "bf16", "int8") for o in ("none", "eager")
+    f"swarm.compression={c},swarm.overlap={o}"
+    for c in ("none", "fp16", "bf16", "int8", "int4")
+    for o in ("none", "eager")
 ]
 DEFAULTS: dict[str, Any] = {
     "case": DEFAULT_CASES,
@@ -240,6 +244,7 @@ def run_case(
     exits: dict[int, dict[str, Any]] = {}
     before = [lab.counters(k) for k in range(peers)]
     procs: list[Proc] = []
+    peaks: list[float | None] = [None] * peers
     boot = lab.spawn(lab.wan, [py, "-m", "peers.run_bootstrap", "--host-maddrs", f"/ip4/{lab.wan_ip}/tcp/0"], env)
     try:
         initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
@@ -251,7 +256,9 @@ def run_case(
             for o in [*overrides, f"data.shard_index={k}"]:
                 args += ["--set", o]
             procs.append(lab.spawn(home.ns, [*args, "--initial-peers", *initial], env))
-        problem = wait_for_peers(procs, dirs, rounds, t0 + timeout, exit_grace, exits) or problem
+        with TxSampler([p.popen.pid for p in procs]) as sampler:  # `ip netns exec` execs the peer: same pid
+            problem = wait_for_peers(procs, dirs, rounds, t0 + timeout, exit_grace, exits) or problem
+        peaks = sampler.peak_mbit(1.0)
     except Exception as exc:  # noqa: BLE001 - a bootstrap that never printed its line: noted, the sweep goes on
         problem = problem or f"{type(exc).__name__}: {exc}"
     finally:
@@ -298,10 +305,17 @@ def run_case(
                 "allreduce_goodput_mbit",
             )
         },
+        "peak_tx_mbit": peaks,  # per peer: the most its link sent in any 1 s of the run
+        "peak_tx_mbit_max": max((x for x in peaks if x is not None), default=None),
         "utilisation_min": min((s["utilisation"] for s in ok if s["utilisation"] is not None), default=None),
         "rounds_counted": min((s["rounds_counted"] for s in ok), default=0),
         "incomplete_rounds": sum(s["rounds_counted"] - s["complete_counted"] for s in ok),  # over peers
     }
+
+
+def _peak(c: dict[str, Any]) -> str:
+    peak = c.get("peak_tx_mbit_max")
+    return "" if peak is None else f", peak send rate {peak:.1f} Mbit/s over 1 s"
 
 
 def add_row(rec: Recorder, c: dict[str, Any], link_mbit: float | None) -> None:
@@ -320,7 +334,7 @@ def add_row(rec: Recorder, c: dict[str, Any], link_mbit: float | None) -> None:
         f"compute share of wall; per round compute {c['compute_per_round']:.2f}s, exposed communication "
         f"{c['exposed_per_round']:.2f}s (matchmaking {c['matchmaking_per_round']:.2f}s, all-reduce "
         f"{c['allreduce_per_round']:.2f}s, other {c['other_per_round']:.2f}s); sent {sent / 2**20:.2f} MiB/peer/"
-        f"round = wire time {c['wire_seconds_per_round']:.2f}s at {rate:g} Mbit/s ({counted})"
+        f"round = wire time {c['wire_seconds_per_round']:.2f}s at {rate:g} Mbit/s{_peak(c)} ({counted})"
         f"{overlap_label(c['per_peer'])}"
     )
     rec.add(

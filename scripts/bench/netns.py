@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import BENCH_DIR, Proc, single_thread_env  # noqa: E402
 
-__all__ = ["Home", "Lab", "LabError", "delete", "leftovers", "tbf_args", "unavailable"]
+__all__ = ["Home", "Lab", "LabError", "TxSampler", "delete", "leftovers", "tbf_args", "unavailable"]
 
 PREFIX = "nl"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-([0-9a-f]+)-(w|h\d+|r\d+)$")
@@ -303,6 +303,58 @@ class Lab:
             sink.kill_group()
         seconds = float(res.stdout.split()[-1])
         return {"bytes": nbytes, "seconds": seconds, "mbit_per_s": nbytes * 8 / seconds / 1e6}
+
+
+class TxSampler:
+    """What each home's link sends, sampled every ``period`` seconds in a thread, read from ``/proc/PID/net/dev`` of
+    a process inside the home's namespace (the namespace's own counters: no subprocess per sample). ``peak_mbit``:
+    each home's largest send rate over any ``window`` seconds (the rate a link must carry not to stretch the busiest
+    stretch of the run); None for a home with fewer samples than a window. A process gone mid-run ends its samples."""
+
+    def __init__(self, pids: Sequence[int], dev: str = "wan0", period: float = 0.1) -> None:
+        self.pids, self.dev, self.period = list(pids), dev, period
+        self.samples: list[list[tuple[float, int]]] = [[] for _ in self.pids]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tx-sampler", daemon=True)
+
+    def __enter__(self) -> TxSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _tx_bytes(self, pid: int) -> int | None:
+        try:
+            for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
+                name, _, fields = line.partition(":")
+                if name.strip() == self.dev:
+                    return int(fields.split()[8])  # receive: 8 fields, then transmit bytes
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for k, pid in enumerate(self.pids):
+                sent = self._tx_bytes(pid)
+                if sent is not None:
+                    self.samples[k].append((time.monotonic(), sent))
+
+    def peak_mbit(self, window: float = 1.0) -> list[float | None]:
+        out: list[float | None] = []
+        for samples in self.samples:
+            best, j = None, 0
+            for t, sent in samples:
+                while j + 1 < len(samples) and t - samples[j + 1][0] >= window:
+                    j += 1
+                t0, sent0 = samples[j]
+                if t - t0 >= window:
+                    rate = (sent - sent0) * 8 / (t - t0) / 1e6
+                    best = rate if best is None else max(best, rate)
+            out.append(best)
+        return out
 
 
 def _kill_inside(ns: str) -> None:
