@@ -513,8 +513,11 @@ class Worker:
         if decision.action is Action.LOCAL_STEP:
             averaged = mine.pseudo_grad  # whatever the group computed, a local step is our own
         done = self._carry_out(decision, averaged, info, sync)
-        if done is not None and mine.residual is not None:  # Δ sent went into the state: the codec's loss is owed
-            self.residual = None if decision.action is Action.LOCAL_STEP else mine.residual  # (a local step: none)
+        if done is not None and mine.residual is not None:
+            if decision.action is Action.LOCAL_STEP:  # it applied the whole Δ sent: nothing is owed
+                self.residual = None
+            elif decision.counts:  # the Δ sent is in the group's mean: what the codec left out of it is owed
+                self.residual = mine.residual
         if done is None:
             self.state.copy_to(self.model.parameters())  # θ back to the (possibly downloaded) anchor
             lost = RoundResult(self.state.round, mine.inner, info, self.tag_soon(), 0.0, None, decision.action)

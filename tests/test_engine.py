@@ -521,8 +521,8 @@ def test_a_settled_round_is_hashed_in_the_background_and_the_next_outer_step_wai
 def test_error_feedback_sends_what_the_codec_left_out_in_the_next_round_and_keeps_it_through_a_checkpoint(tmp_path):
     """swarm.error_feedback with int4: round t sends Δ_t + r_{t-1}, and r_t is what the wire's round trip left out of
     that (exactly: the parts are cut as the swarm cuts them). So over rounds the state moves by the sum of the Δ minus
-    only the last residual, and the residual travels in local_state through a checkpoint. A local step applies the
-    whole Δ sent: nothing is owed after it."""
+    only the last residual, and the residual travels in local_state through a checkpoint. A round that moved nothing
+    keeps what was owed; a local step applies the whole Δ sent: nothing is owed after it."""
     cfg = load_config(TINY, ["inner.steps=2", "train.rounds=4", "swarm.compression=int4", "swarm.error_feedback=true"])
     codec, part_values = get_codec("int4"), cfg.swarm.part_size_bytes // 4
     worker, owed = Worker(cfg, 257, _batches(3)), None
@@ -541,6 +541,11 @@ def test_error_feedback_sends_what_the_codec_left_out_in_the_next_round_and_keep
     again = Worker(cfg, 257, _batches(3))
     again.restore_local_state(load_worker_state(latest_checkpoint(tmp_path)))
     assert all(torch.equal(a, b) for a, b in zip(again.residual, owed))
+
+    mine = worker.contribute()  # a round that moved nothing (alone_policy wait): the residual is still owed
+    alone = ReduceInfo(group_size=1, complete=False, attempts=1, gathered=Gathered({"me": mine.payload}))
+    assert worker.settle(mine, mine.pseudo_grad, alone, RoundRules(alone_policy="wait")) is None
+    assert worker.residual is owed
 
     mine = worker.contribute()  # a group that failed: this peer steps alone with the Δ it sent, residual included
     alone = ReduceInfo(group_size=1, complete=False, attempts=1, gathered=Gathered({"me": mine.payload}))
