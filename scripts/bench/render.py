@@ -42,11 +42,16 @@ ITEMS = [
     ("gpu_swarm", "6. GPU: 2-peer swarm sharing the GPU"),
     ("netlab", "7. Communication on shaped links"),
     ("compression_quality", "8. Quality per codec and overlap"),
+    ("codecs", "8b. Quality of int4 and error feedback"),
     ("stragglers", "9. Uneven peers: one 3x slower"),
     ("join", "10. Joining: state download"),
     ("staleness", "11. A straggler's delayed pseudo-gradient (simulated)"),
     ("threads", "12. Threads on a shared machine"),
 ]
+# an item whose script is not scripts/bench/<item>.py
+SCRIPTS = {
+    "codecs": "compression_quality.py --codecs none int8 int4 int4+ef int8+ef --seeds 0 1 --out results/codecs.json"
+}
 
 
 def fmt(value: float | None, unit: str) -> str:
@@ -212,6 +217,7 @@ SHORT = {
     "join": "10. Joining",
     "staleness": "11. Delayed pseudo-gradient",
     "threads": "12. Threads",
+    "codecs": "8b. int4, error feedback",
     "one_state": "13. One state",
     "scale": "14. Many peers",
 }
@@ -497,6 +503,7 @@ SUMMARISERS: dict[str, Callable[[dict[str, Any]], Headline]] = {
     "memory": _s_memory,
     "netlab": _s_netlab,
     "compression_quality": _s_compression_quality,
+    "codecs": _s_compression_quality,
     "stragglers": _s_stragglers,
     "join": _s_join,
     "staleness": _s_staleness,
@@ -638,7 +645,8 @@ def render(results: Path) -> str:
         "as root, `scripts/bench/compression_quality.py`; item 9 is `scripts/bench/stragglers.py`, about 10 minutes; "
         "item 10 is `scripts/bench/join.py --netlab` as root, about "
         "4 minutes; item 11 is `scripts/bench/staleness.py`, about 25 minutes; item 12 is `scripts/bench/threads.py`, "
-        "a few minutes; items 13 and 14 are `scripts/bench/one_state.py` and `scripts/bench/scale.py`; `render.py` "
+        "a few minutes; items 13 and 14 are `scripts/bench/one_state.py` and `scripts/bench/scale.py`; item 8b is "
+        "`scripts/bench/compression_quality.py --codecs`, about 50 minutes; `render.py` "
         "rebuilds this page from the results, measuring nothing). Every "
         "figure is a ratio against a reference measured in the same run, on the same "
         "machine, interleaved where possible. Raw numbers: `scripts/bench/results/*.json`."
@@ -717,10 +725,8 @@ def render(results: Path) -> str:
         data = found[item]
         if data is None:
             continue
-        lines.append(
-            f"**{title}** (`scripts/bench/{item if not item.startswith('gpu') else 'gpu.sh'}"
-            f"{'' if item.startswith('gpu') else '.py'}`, {data['wall_seconds']:.0f} s)"
-        )
+        script = "gpu.sh" if item.startswith("gpu") else SCRIPTS.get(item, f"{item}.py")
+        lines.append(f"**{title}** (`scripts/bench/{script}`, {data['wall_seconds']:.0f} s)")
         lines.append("")
         for note in data.get("notes", []):
             lines.append(f"- {note}")
