@@ -153,11 +153,15 @@ class SwarmConfig:
     # 128 values per fp32 scale, 1.03 bytes a value) | int4 (64 values a scale, 0.5625 bytes); reducers sum in fp32.
     # Part of the fingerprint. int8 by default: at equal tokens its final eval loss was 0.998 of fp32's (tiny H 100,
     # 3 seeds: 0.996, 0.992, 1.005; small 2 seeds: 1.000, 0.997) for 3.88x fewer bytes (docs/compression.md);
-    # fp16/bf16 halve the bytes at the same quality.
+    # fp16/bf16 halve the bytes at the same quality. int4 sends 7.11x fewer bytes than fp32 (1.83x fewer than int8):
+    # on small level with int8 (2 seeds: 0.9975 of fp32's loss), on tiny +0.8% over int8 in both seeds: for slow
+    # uplinks.
     compression: str = "int8"
     # A lossy codec's error carried into the next round (engine.py): each peer adds to its Δ what the codec left out of
     # the Δ it sent last (kept in its checkpoint, restored on --resume), so over rounds the whole Δ reaches the
-    # swarm. Not part of the fingerprint: it changes what one peer sends, not how the group reduces it.
+    # swarm. Not part of the fingerprint: it changes what one peer sends, not how the group reduces it. Off by
+    # default: with int8 and int4 it ended a little worse in all 8 pairs measured (tiny, small, 2 seeds each: +0.01%
+    # to +1.5%; docs/compression.md): their rounding is small, and the residual arrives a round late.
     error_feedback: bool = False
     # none: the peer waits for the round's all-reduce | eager: it sends Δ and goes on at once from the look-ahead
     # (the outer step with its own Δ, on a copy); after overlap_steps inner steps it settles the group's Δ̄ exactly

@@ -204,3 +204,18 @@ def test_a_long_problem_note_is_cut_to_its_first_line():
     assert render._first_line("timeout\nsecond line").startswith("timeout [...]")
     long = " ".join(["word"] * 200)
     assert len(render._first_line(long)) < 360 and render._first_line("short") == "short"
+
+
+def test_codecs_summary_gives_each_codec_its_mean_ratio_per_preset_and_its_bytes_against_fp32():
+    def case(codec, preset, seed, ratio, mb):
+        return {"compression": codec, "preset": preset, "seed": seed, "ratio": ratio, "mb_sent_per_worker": mb}
+
+    cases = [case("none", "tiny", s, 1.0, 40.0) for s in (0, 1)]
+    cases += [case("int4", "tiny", 0, 1.01, 5.0), case("int4", "tiny", 1, 0.99, 5.0)]
+    cases += [case("int8+ef", "tiny", 0, 1.02, 10.0), {**case("int8+ef", "tiny", 1, None, None), "status": "failed"}]
+    head, target, met = render._s_codecs({"cases": cases})
+    assert head == (
+        "mean final loss / blocking fp32's (2 seeds): int4 tiny 1.000x, 8.000x fewer bytes; int8+ef tiny 1.020x, "
+        "4.000x fewer bytes"
+    )
+    assert (target, met) == ("-", "-")

@@ -387,6 +387,24 @@ def _s_compression_quality(d: dict[str, Any]) -> Headline:
     return head, "-", "-"
 
 
+def _s_codecs(d: dict[str, Any]) -> Headline:
+    """Per codec: its mean ratio to fp32 per preset, and how many times fewer bytes than fp32 it sent."""
+    ok = [c for c in d["cases"] if c.get("ratio") is not None and c["compression"] != "none"]
+    fp32 = {c["preset"]: c["mb_sent_per_worker"] for c in d["cases"] if c["compression"] == "none" and c.get("ratio")}
+    parts = []
+    for codec in dict.fromkeys(c["compression"] for c in sorted(ok, key=lambda c: c["compression"])):
+        runs = [c for c in ok if c["compression"] == codec]
+        means = []
+        for preset in sorted({c["preset"] for c in runs}):
+            ratios = [c["ratio"] for c in runs if c["preset"] == preset]
+            means.append(f"{preset} {_x(sum(ratios) / len(ratios))}")
+        fewer = [fp32[c["preset"]] / c["mb_sent_per_worker"] for c in runs if c["preset"] in fp32]
+        bytes_ = f", {_span(fewer, _x)} fewer bytes" if fewer else ""
+        parts.append(f"{codec} {', '.join(means)}{bytes_}")
+    seeds = len({c["seed"] for c in ok})
+    return f"mean final loss / blocking fp32's ({seeds} seeds): " + "; ".join(parts), "-", "-"
+
+
 def _s_stragglers(d: dict[str, Any]) -> Headline:
     base = next(c["label"] for c in d["cases"] if not c["slow_peer"] and not c["overrides"])
     slow = f", one peer {d['args']['slowdown']:g}x slower"
@@ -503,7 +521,7 @@ SUMMARISERS: dict[str, Callable[[dict[str, Any]], Headline]] = {
     "memory": _s_memory,
     "netlab": _s_netlab,
     "compression_quality": _s_compression_quality,
-    "codecs": _s_compression_quality,
+    "codecs": _s_codecs,
     "stragglers": _s_stragglers,
     "join": _s_join,
     "staleness": _s_staleness,
