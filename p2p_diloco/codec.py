@@ -110,44 +110,45 @@ class Codec:
         return self.decode(self.encode(part), part.numel()).view(part.shape)
 
 
-def _int8_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _absmax_quantize(flat: torch.Tensor, block: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax: each block's scale (its largest magnitude / ``levels``) and the codes of its values, rounded
+    to nearest in -levels..levels (fp32, the last block padded with zeros)."""
     numel = flat.numel()
-    blocks = math.ceil(numel / BLOCK)
-    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+    blocks = math.ceil(numel / block)
+    padded = torch.zeros(blocks * block, dtype=torch.float32)
     padded[:numel] = flat
-    grid = padded.view(blocks, BLOCK)
-    scales = grid.abs().amax(dim=1) / 127.0
+    grid = padded.view(blocks, block)
+    scales = grid.abs().amax(dim=1) / float(levels)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(grid / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return scales, codes.view(-1)[:numel]
+    return scales, torch.round(grid / safe[:, None]).clamp_(-levels, levels).view(-1)
+
+
+def _absmax_values(scales: torch.Tensor, codes: torch.Tensor, numel: int, block: int) -> torch.Tensor:
+    """The first ``numel`` codes, each times its block's scale (fp32)."""
+    padded = torch.zeros(scales.numel() * block, dtype=torch.float32)
+    padded[:numel] = codes[:numel].to(torch.float32)
+    return (padded.view(-1, block) * scales[:, None]).view(-1)[:numel].clone()
+
+
+def _int8_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scales, codes = _absmax_quantize(flat, BLOCK, 127)
+    return scales, codes.to(torch.int8)[: flat.numel()]
 
 
 def _int8_decode(scales: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
-    blocks = scales.numel()
-    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
-    padded[:numel] = codes.to(torch.float32)
-    return (padded.view(blocks, BLOCK) * scales[:, None]).view(-1)[:numel].clone()
+    return _absmax_values(scales, codes, numel, BLOCK)
 
 
 def _int4_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    numel = flat.numel()
-    blocks = math.ceil(numel / INT4_BLOCK)
-    padded = torch.zeros(blocks * INT4_BLOCK, dtype=torch.float32)
-    padded[:numel] = flat
-    grid = padded.view(blocks, INT4_BLOCK)
-    scales = grid.abs().amax(dim=1) / 7.0
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(grid / safe[:, None]).clamp_(-7, 7).add_(8).to(torch.uint8).view(-1)
-    pairs = codes[: 2 * math.ceil(numel / 2)].view(-1, 2)  # a padded block holds the odd value's partner (a zero)
+    scales, codes = _absmax_quantize(flat, INT4_BLOCK, 7)
+    nibbles = codes.add_(8).to(torch.uint8)
+    pairs = nibbles[: 2 * math.ceil(flat.numel() / 2)].view(-1, 2)  # an odd count's partner: a padding zero (8)
     return scales, pairs[:, 0] | (pairs[:, 1] << 4)
 
 
 def _int4_decode(scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
-    blocks = scales.numel()
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:numel]
-    padded = torch.zeros(blocks * INT4_BLOCK, dtype=torch.float32)
-    padded[:numel] = codes.to(torch.float32) - 8.0
-    return (padded.view(blocks, INT4_BLOCK) * scales[:, None]).view(-1)[:numel].clone()
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)
+    return _absmax_values(scales, nibbles.to(torch.float32) - 8.0, numel, INT4_BLOCK)
 
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
