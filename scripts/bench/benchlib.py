@@ -45,10 +45,6 @@ if str(ROOT) not in sys.path:
 from scripts import procs  # noqa: E402
 from scripts.procs import descendants  # noqa: E402
 
-# benchmarks measure peers as users start them, fresh interpreters (memory, start-up and join times), also when a
-# test that runs a benchmark's smoke mode has turned the tests' warm start on (scripts/zygote.py)
-os.environ[procs.WARM_START_VARIABLE] = "0"
-
 __all__ = [
     "BENCH_DIR",
     "ROOT",
@@ -230,10 +226,14 @@ def single_thread_env(threads: int = 1, extra: dict[str, str] | None = None) -> 
 
 
 class Proc(procs.Proc):
-    """A scripts.procs.Proc started from the repository root."""
+    """A scripts.procs.Proc started from the repository root, as a fresh interpreter: benchmarks measure peers as
+    users start them (memory, start-up and join times), also when the tests' warm start (scripts/zygote.py) is on in
+    the environment they inherit. Chosen here, per process, not by changing this process's environment at import:
+    that turned the warm start off for every test collected after a test module that imports this one (the whole
+    suite: collection comes first), which made each peer a test started cost ~5 s of CPU more."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: bool = False) -> None:
-        super().__init__(args, env=env, stdin=stdin, cwd=ROOT)
+        super().__init__(args, env=env, stdin=stdin, cwd=ROOT, warm=False)
 
     def describe(self, tail: int | None = 40) -> str:
         """As procs.Proc.describe, but the last 40 lines by default: benchmark children are long-running."""
