@@ -520,12 +520,19 @@ def test_departure_shows_after_expiry_then_signals_exit_cleanly_and_a_restart_co
     assert leave.wait(timeout=60) == 0, leave.describe()
 
     monitor, history = swarm["monitor"], swarm["tmp"] / "mon" / "monitor.jsonl"
+
+    def last_sample() -> dict | None:  # what a restarted monitor goes on from (none until its first download)
+        lines = history.read_text().splitlines() if history.exists() else []
+        return json.loads(lines[-1])["sample"] if lines else None
+
+    # this test may run first in its module (pytest -k): the monitor must have downloaded a sample before it stops
+    assert wait_until(lambda: last_sample() is not None, 120, poll=0.5), monitor.describe()
     monitor.popen.send_signal(signal.SIGTERM)
     assert monitor.wait(timeout=30) == 0, monitor.describe()
     assert wait_until(lambda: not live_group_members(monitor.pgid), 10), live_group_members(monitor.pgid)
     lines_before = len(history.read_text().splitlines())
 
-    resumed = json.loads(history.read_text().splitlines()[-1])["sample"]
+    resumed = last_sample()
     assert resumed is not None and resumed["round"] > 0
     # reads, takes no connections, and downloads samples as a client
     again = Proc(monitor_args(swarm["initial"], swarm["tmp"] / "mon", "--client-mode", *SAMPLES, "--sample-every", "3"))
