@@ -77,10 +77,7 @@ class Codec:
             return flat.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).numpy().tobytes()
         if self.name == "bf16":
             return flat.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
-        if self.name == "int4":
-            scales, packed = _int4_encode(flat)
-            return scales.numpy().tobytes() + packed.numpy().tobytes()
-        scales, codes = _int8_encode(flat)
+        scales, codes = (_int4_encode if self.name == "int4" else _int8_encode)(flat)
         return scales.numpy().tobytes() + codes.numpy().tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
@@ -93,15 +90,11 @@ class Codec:
         if self.name == "bf16":
             raw = torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy())
             return raw.view(torch.bfloat16).to(torch.float32)
-        if self.name == "int4":
-            blocks = math.ceil(numel / INT4_BLOCK)
-            scales = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=blocks).copy())
-            packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 * blocks).copy())
-            return _int4_decode(scales, packed, numel)
-        blocks = math.ceil(numel / BLOCK)
+        int4 = self.name == "int4"  # else int8: the block's fp32 scales, then its codes (int4: two a byte)
+        blocks = math.ceil(numel / (INT4_BLOCK if int4 else BLOCK))
         scales = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=blocks).copy())
-        codes = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=4 * blocks).copy())
-        return _int8_decode(scales, codes, numel)
+        codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8 if int4 else np.int8, offset=4 * blocks).copy())
+        return (_int4_decode if int4 else _int8_decode)(scales, codes, numel)
 
     def roundtrip(self, part: torch.Tensor) -> torch.Tensor:
         """What a receiver of ``part`` holds: decode(encode(part)), in ``part``'s shape (fp32)."""

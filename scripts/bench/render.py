@@ -392,7 +392,7 @@ def _s_codecs(d: dict[str, Any]) -> Headline:
     ok = [c for c in d["cases"] if c.get("ratio") is not None and c["compression"] != "none"]
     fp32 = {c["preset"]: c["mb_sent_per_worker"] for c in d["cases"] if c["compression"] == "none" and c.get("ratio")}
     parts = []
-    for codec in dict.fromkeys(c["compression"] for c in sorted(ok, key=lambda c: c["compression"])):
+    for codec in sorted({c["compression"] for c in ok}):
         runs = [c for c in ok if c["compression"] == codec]
         means = []
         for preset in sorted({c["preset"] for c in runs}):
