@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "CODECS", "INT4_BLOCK", "Codec", "CodecError", "get_codec", "roundtrip_parts"]
+__all__ = ["BLOCK", "CODECS", "DENSE", "INT4_BLOCK", "SPARSE", "Codec", "CodecError", "get_codec", "roundtrip_parts"]
 
 BLOCK = 128  # int8: values per absmax scale (3% overhead: 1.03 bytes per value)
 INT4_BLOCK = 64  # int4: values per absmax scale (0.5625 bytes per value: 7.1x fewer than fp32)
@@ -50,13 +50,32 @@ class Codec:
 
     name: str
 
+    @property
+    def sparse(self) -> bool:
+        """A top-k codec: it sends a few values of each part (the rest is carried by error feedback)."""
+        return self.name in SPARSE
+
+    @property
+    def mean(self) -> Codec:
+        """The codec of a group's mean of a part (what reducers send back): the same as the parts' for a dense codec;
+        for a top-k one, ``sparse8``: every nonzero of the mean (the union of the senders' supports) in int8."""
+        return Codec(MEAN_OF_SPARSE) if self.sparse else self
+
     def encoded_size(self, numel: int) -> int:
+        """The bytes of ``numel`` values: exact for a dense codec. A sparse one's depend on where its values lie: this
+        is the size when no gap between two sent values is 255 or longer (top-k: its k values spread over the part;
+        ``sparse8``: every value nonzero, its most)."""
         if self.name == "none":
             return 4 * numel
         if self.name in ("fp16", "bf16"):
             return 2 * numel
         if self.name == "int4":
             return math.ceil(numel / 2) + 4 * math.ceil(numel / INT4_BLOCK)
+        if self.sparse:
+            k = _topk_count(numel, SPARSE[self.name])
+            return 12 + math.ceil(k / 4) + k
+        if self.name == MEAN_OF_SPARSE:
+            return 4 + 2 * numel + 4 * math.ceil(numel / BLOCK)
         return numel + 4 * math.ceil(numel / BLOCK)
 
     def parts_size(self, numel: int, part_values: int) -> int:
@@ -67,7 +86,10 @@ class Codec:
     @property
     def bytes_per_value(self) -> float:
         """For sizing parts and estimates: encoded bytes over values, for a part of many blocks."""
-        return {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int4": 0.5 + 4.0 / INT4_BLOCK}.get(self.name, 1.0 + 4.0 / BLOCK)
+        if self.sparse:
+            return SPARSE[self.name] * 1.25  # a gap byte and 2 bits a value sent
+        dense = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int4": 0.5 + 4.0 / INT4_BLOCK}
+        return dense.get(self.name, 1.0 + 4.0 / BLOCK)
 
     def encode(self, part: torch.Tensor) -> bytes:
         flat = part.detach().reshape(-1).to("cpu", torch.float32)
@@ -77,10 +99,18 @@ class Codec:
             return flat.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).numpy().tobytes()
         if self.name == "bf16":
             return flat.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        if self.sparse:
+            return _topk_encode(flat, SPARSE[self.name])
+        if self.name == MEAN_OF_SPARSE:
+            return _nonzeros_encode(flat)
         scales, codes = (_int4_encode if self.name == "int4" else _int8_encode)(flat)
         return scales.numpy().tobytes() + codes.numpy().tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        if self.sparse:
+            return _topk_decode(data, numel, SPARSE[self.name], self.name)
+        if self.name == MEAN_OF_SPARSE:
+            return _nonzeros_decode(data, numel)
         if len(data) != self.encoded_size(numel):
             raise CodecError(f"{len(data)} bytes are no {self.name} encoding of {numel} values")
         if self.name == "none":
@@ -98,9 +128,14 @@ class Codec:
 
     def roundtrip(self, part: torch.Tensor) -> torch.Tensor:
         """What a receiver of ``part`` holds: decode(encode(part)), in ``part``'s shape (fp32)."""
+        return self.roundtrip_sized(part)[0]
+
+    def roundtrip_sized(self, part: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(``roundtrip(part)``, the bytes of its encoding)."""
         if self.name == "none":
-            return part.detach().to("cpu", torch.float32).clone()
-        return self.decode(self.encode(part), part.numel()).view(part.shape)
+            return part.detach().to("cpu", torch.float32).clone(), 4 * part.numel()
+        data = self.encode(part)
+        return self.decode(data, part.numel()).view(part.shape), len(data)
 
 
 def _absmax_quantize(flat: torch.Tensor, block: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +179,100 @@ def _int4_decode(scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torc
     return _absmax_values(scales, nibbles.to(torch.float32) - 8.0, numel, INT4_BLOCK)
 
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4")
+def _topk_count(numel: int, density: float) -> int:
+    """How many values of a part of ``numel`` a top-k codec sends: ``density`` of them, at least one."""
+    return min(numel, max(1, math.ceil(density * numel)))
+
+
+def _gaps_encode(indices: np.ndarray) -> bytes:
+    """Sorted indices as the gaps between them (the first from -1, less one), a byte each; a gap of 255 or more as
+    that many // 255 bytes 255 (escapes) and a last byte of the rest. A gap's last byte is never 255."""
+    gaps = np.diff(indices, prepend=-1) - 1
+    escapes = gaps // 255
+    out = np.full(int(escapes.sum()) + len(gaps), 255, dtype=np.uint8)
+    out[np.cumsum(escapes + 1) - 1] = gaps % 255
+    return out.tobytes()
+
+
+def _gaps_decode(data: bytes, count: int, numel: int, name: str) -> torch.Tensor:
+    """The ``count`` indices ``_gaps_encode`` wrote in ``data`` (all of it), each below ``numel`` (int64)."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(raw != 255)
+    if len(ends) != count or (len(raw) and ends[-1] != len(raw) - 1):
+        raise CodecError(f"{len(data)} bytes of gaps are no {name} encoding of {count} positions")
+    escapes = np.diff(ends, prepend=-1) - 1
+    indices = np.cumsum(escapes * 255 + raw[ends].astype(np.int64) + 1) - 1
+    if count and indices[-1] >= numel:
+        raise CodecError(f"a {name} position {int(indices[-1])} is past the part's {numel} values")
+    return torch.from_numpy(indices)
+
+
+def _topk_encode(flat: torch.Tensor, density: float) -> bytes:
+    """The part's k largest magnitudes (``_topk_count``), 2 bits each: a sign, and the nearer of two magnitudes,
+    ``low`` and ``high``, the means of the kept magnitudes up to their median and above it. Layout: k (uint32), low,
+    high (fp32), the 2-bit codes four a byte (the first in the low bits; bit 0 the sign, bit 1 high), the positions'
+    gaps (``_gaps_encode``)."""
+    numel = flat.numel()
+    k = _topk_count(numel, density)
+    indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+    values = flat[indices]
+    magnitudes = values.abs()
+    median = magnitudes.kthvalue((k + 1) // 2).values
+    above = magnitudes > median
+    low = magnitudes[~above].mean()
+    high = magnitudes[above].mean() if bool(above.any()) else low
+    codes = (values < 0).to(torch.uint8) | (((magnitudes - high).abs() < (magnitudes - low).abs()).to(torch.uint8) << 1)
+    padded = torch.zeros(4 * math.ceil(k / 4), dtype=torch.uint8)
+    padded[:k] = codes
+    quads = padded.view(-1, 4)
+    packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+    header = np.array([k], dtype=np.uint32).tobytes() + torch.stack([low, high]).numpy().tobytes()
+    return header + packed.numpy().tobytes() + _gaps_encode(indices.numpy())
+
+
+def _topk_decode(data: bytes, numel: int, density: float, name: str) -> torch.Tensor:
+    k = _topk_count(numel, density)
+    if len(data) < 12 + math.ceil(k / 4) + k or int(np.frombuffer(data, dtype=np.uint32, count=1)[0]) != k:
+        raise CodecError(f"{len(data)} bytes are no {name} encoding of {numel} values")
+    low, high = np.frombuffer(data, dtype=np.float32, count=2, offset=4)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise CodecError(f"a {name} encoding with magnitudes {low}, {high}")
+    end = 12 + math.ceil(k / 4)
+    indices = _gaps_decode(data[end:], k, numel, name)
+    packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=end - 12, offset=12).copy())
+    codes = ((packed[:, None] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3).view(-1)[:k]
+    magnitudes = torch.where(codes & 2 > 0, torch.tensor(float(high)), torch.tensor(float(low)))
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[indices] = torch.where(codes & 1 > 0, -magnitudes, magnitudes)
+    return out
+
+
+def _nonzeros_encode(flat: torch.Tensor) -> bytes:
+    """``sparse8``, a group's mean of top-k parts: its nonzero values in int8 (as the int8 codec writes them) and
+    their positions. Layout: their count (uint32), the int8 scales and codes, the positions' gaps."""
+    indices = flat.nonzero().view(-1)
+    scales, codes = _int8_encode(flat[indices])
+    count = np.array([indices.numel()], dtype=np.uint32).tobytes()
+    return count + scales.numpy().tobytes() + codes.numpy().tobytes() + _gaps_encode(indices.numpy())
+
+
+def _nonzeros_decode(data: bytes, numel: int) -> torch.Tensor:
+    count = int(np.frombuffer(data, dtype=np.uint32, count=1)[0]) if len(data) >= 4 else -1
+    blocks = math.ceil(count / BLOCK)
+    end = 4 + 4 * blocks + count
+    if not 0 <= count <= numel or len(data) < end + count:
+        raise CodecError(f"{len(data)} bytes are no {MEAN_OF_SPARSE} encoding of {numel} values")
+    scales = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=blocks, offset=4).copy())
+    codes = torch.from_numpy(np.frombuffer(data, dtype=np.int8, count=count, offset=4 + 4 * blocks).copy())
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[_gaps_decode(data[end:], count, numel, MEAN_OF_SPARSE)] = _int8_decode(scales, codes, count)
+    return out
+
+
+DENSE = ("none", "fp16", "bf16", "int8", "int4")
+SPARSE = {"topk1": 0.01, "topk3": 0.03}  # a top-k codec: the share of each part's values it sends
+MEAN_OF_SPARSE = "sparse8"  # the codec of a group's mean of top-k parts (Codec.mean); not a choice of its own
+CODECS = (*DENSE, *SPARSE)
 
 
 def get_codec(name: str) -> Codec:
@@ -153,9 +281,12 @@ def get_codec(name: str) -> Codec:
     return Codec(name)
 
 
-def roundtrip_parts(tensors: Sequence[torch.Tensor], codec: Codec, part_values: int) -> list[torch.Tensor]:
+def roundtrip_parts(
+    tensors: Sequence[torch.Tensor], codec: Codec, part_values: int, sizes: list[int] | None = None
+) -> list[torch.Tensor]:
     """Each tensor as the swarm's receivers hold it: flattened, cut into parts of ``part_values`` values (the
-    last one shorter), each part round-tripped through ``codec``; fp32, in the tensor's shape."""
+    last one shorter), each part round-tripped through ``codec``; fp32, in the tensor's shape. ``sizes``, when
+    given, gets each tensor's encoded bytes (its parts' together) appended."""
     if part_values < 1:
         raise CodecError(f"part_values {part_values} is invalid: must be >= 1")
     out = []
@@ -163,7 +294,11 @@ def roundtrip_parts(tensors: Sequence[torch.Tensor], codec: Codec, part_values: 
         flat = tensor.detach().reshape(-1).to("cpu", torch.float32)
         if codec.name == "none":
             out.append(flat.clone().view(tensor.shape))
+            if sizes is not None:
+                sizes.append(codec.parts_size(flat.numel(), part_values))
             continue
-        parts = [codec.roundtrip(part) for part in flat.split(part_values)]
-        out.append((torch.cat(parts) if parts else flat.clone()).view(tensor.shape))
+        parts = [codec.roundtrip_sized(part) for part in flat.split(part_values)]
+        if sizes is not None:
+            sizes.append(sum(size for _, size in parts))
+        out.append((torch.cat([values for values, _ in parts]) if parts else flat.clone()).view(tensor.shape))
     return out

@@ -163,6 +163,10 @@ class SwarmConfig:
     # default: with int8 and int4 it ended a little worse in all 8 pairs measured (tiny, small, 2 seeds each: +0.01%
     # to +1.5%; docs/compression.md): their rounding is small, and the residual arrives a round late.
     error_feedback: bool = False
+    # What of the residual owed is added to the next Δ (SparseLoCo's β: e <- β e + Δ): 1 keeps all of it. Below 1 the
+    # residual fades, and with outer.momentum 0 it stands in for the outer momentum (docs/compression.md). Not part of
+    # the fingerprint, as error_feedback.
+    feedback_decay: float = 1.0
     # none: the peer waits for the round's all-reduce | eager: it sends Δ and goes on at once from the look-ahead
     # (the outer step with its own Δ, on a copy); after overlap_steps inner steps it settles the group's Δ̄ exactly
     # as a blocking round (waiting there if the exchange is not done) and carries overlap_carry of those steps'
@@ -259,7 +263,7 @@ _CHOICES = {
     "inner.schedule": ("cosine", "constant"),
     "swarm.alone_policy": ("local", "wait"),
     "swarm.aggregation": ("mean", "median_filter", "median_clip", "centered_clip"),  # = robust.RULES
-    "swarm.compression": ("none", "fp16", "bf16", "int8", "int4"),  # = codec.CODECS
+    "swarm.compression": ("none", "fp16", "bf16", "int8", "int4", "topk1", "topk3"),  # = codec.CODECS
     "swarm.overlap": ("none", "eager", "delayed"),
     "logging.wandb_mode": ("offline", "online"),
 }
@@ -381,6 +385,7 @@ def _check_ranges(cfg: Config) -> None:
         "a finite number > 0",
     )
     need(-1 <= s.min_cosine <= 1, "swarm.min_cosine", s.min_cosine, "in [-1, 1] (-1: off)")
+    need(0 < s.feedback_decay <= 1, "swarm.feedback_decay", s.feedback_decay, "in (0, 1]")
     if s.aggregation == "median_filter":  # below 1 the median sender itself would count 0
         need(s.aggregation_clip >= 1, "swarm.aggregation_clip", s.aggregation_clip, ">= 1 for median_filter")
     need(s.dht_timeout > 0, "swarm.dht_timeout", s.dht_timeout, "> 0 seconds")

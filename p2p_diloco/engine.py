@@ -489,14 +489,15 @@ class Worker:
         return Contribution(delta, GatherPayload(self.tag(), stats.tokens), stats, residual)
 
     def with_feedback(self, delta: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """swarm.error_feedback: (Δ + the residual owed, what the codec leaves out of that); without it (Δ, None).
-        What the codec leaves out is exact: the swarm's parts are encoded as ``roundtrip_parts`` cuts them."""
-        s = self.cfg.swarm
-        if not s.error_feedback or s.compression == "none":
+        """swarm.error_feedback (always with a top-k codec, which sends a few % of Δ): (Δ + feedback_decay x the
+        residual owed, what the codec leaves out of that); without it (Δ, None). What the codec leaves out is exact:
+        the swarm's parts are encoded as ``roundtrip_parts`` cuts them."""
+        s, codec = self.cfg.swarm, get_codec(self.cfg.swarm.compression)
+        if not (s.error_feedback or codec.sparse) or s.compression == "none":
             return delta, None
         if self.residual is not None:
-            delta = [d.add(r) for d, r in zip(delta, self.residual, strict=True)]
-        carried = roundtrip_parts(delta, get_codec(s.compression), s.part_size_bytes // 4)
+            delta = [d.add(r, alpha=s.feedback_decay) for d, r in zip(delta, self.residual, strict=True)]
+        carried = roundtrip_parts(delta, codec, s.part_size_bytes // 4)
         return delta, [d.sub(c) for d, c in zip(delta, carried, strict=True)]
 
     def settle(

@@ -47,11 +47,11 @@ same holds for the tokenizer and a pretrained model given as a local directory: 
 identity is the vocabulary digest and the architecture/config digest. Settings that only shape one peer's own
 work are left out on purpose: which shard it trains (data.shard_index), batch size, eval batches, inner
 optimizer settings, device and autocast, CPU threads (train.threads), run length, checkpointing, logging,
-swarm.error_feedback (what one peer adds to its own Δ) and every swarm timing. The eval split is decided per
-document by a hash of (seed, text), so peers that agree on the seed and eval_fraction can never train on each
-other's eval documents. The vocabulary digest does not cover BPE
-merges or normalisation rules (their serialisation differs between ``tokenizers`` versions); two tokenizers with
-the same name and vocabulary are taken to be the same.
+swarm.error_feedback and swarm.feedback_decay (what one peer adds to its own Δ) and every swarm timing. The eval
+split is decided per document by a hash of (seed, text), so peers that agree on the seed and eval_fraction can
+never train on each other's eval documents. The vocabulary digest does not cover BPE merges or normalisation rules
+(their serialisation differs between ``tokenizers`` versions); two tokenizers with the same name and vocabulary are
+taken to be the same.
 """
 
 from __future__ import annotations

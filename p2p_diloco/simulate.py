@@ -369,18 +369,20 @@ def _aggregate(
     attack: _Attack,
     stats: AggregateStats,
     factors: list[float | None] | None = None,
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], int]:
     """The reducers' result for this round, as the swarm's wire and reducers make it: each worker's Δ through
     ``swarm.compression`` (parts of ``swarm.part_size_bytes / 4`` values per tensor, as hivemind cuts them),
-    ``swarm.aggregation`` over them, and the result through the codec again (what every member receives).
-    ``factors``: per worker, its weight factor (``RoundRules.weight_factors``), None for one whose Δ does not count
-    (it sends weight 0); default: every Δ counts in full."""
+    ``swarm.aggregation`` over them, and the result through the codec of means (what every member receives;
+    ``Codec.mean``). ``factors``: per worker, its weight factor (``RoundRules.weight_factors``), None for one whose Δ
+    does not count (it sends weight 0); default: every Δ counts in full. Also returns the bytes a worker sends, as
+    the encodings measure (``measured_bytes_sent``)."""
     s = cfg.swarm
     codec, part_values = get_codec(s.compression), s.part_size_bytes // 4
     deltas, wire = attack.sent(mine)
     if factors is not None:
         wire = [w if f is not None else 0.0 for w, f in zip(wire, factors, strict=True)]
-    deltas = [roundtrip_parts(d, codec, part_values) for d in deltas]
+    sizes: list[int] = []
+    deltas = [roundtrip_parts(d, codec, part_values, sizes) for d in deltas]
     if s.aggregation == "mean":  # as the swarm's plain mean: the wire weight as is
         weights = wire
     else:
@@ -390,16 +392,29 @@ def _aggregate(
     groups = split_groups([True] * len(mine), s.target_group_size)  # a round of more workers: its groups combined
 
     def carry(mean: torch.Tensor) -> torch.Tensor:  # a group's mean of a part goes on to the part's round reducer
-        return codec.roundtrip(mean)
+        return codec.mean.roundtrip(mean)
 
     averaged = aggregate_flat(
         deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats, scale, groups, carry, s.min_cosine
     )
-    return roundtrip_parts(averaged, codec, part_values)
+    mean_sizes: list[int] = []
+    averaged = roundtrip_parts(averaged, codec.mean, part_values, mean_sizes)
+    return averaged, measured_bytes_sent(sum(sizes) / len(mine), sum(mean_sizes), len(mine))
+
+
+def measured_bytes_sent(delta_bytes: float, mean_bytes: int, group_size: int) -> int:
+    """What one peer of an even butterfly of ``group_size`` sends in a round, from the encoded sizes of its Δ and of
+    the group's mean: (n-1)/n of its Δ's parts to the other reducers, and its 1/n of the mean to n-1 members. For a
+    dense codec, ``wire_bytes_sent``."""
+    if group_size <= 1:
+        return 0
+    return int((group_size - 1) / group_size * (delta_bytes + mean_bytes))
 
 
 def wire_bytes_sent(cfg: Config, shapes: list[torch.Size], group_size: int) -> int:
-    """What one peer of an even butterfly sends in a round: 2(n-1)/n x the encoded size of Δ (its parts)."""
+    """What one peer of an even butterfly sends in a round: 2(n-1)/n x the encoded size of Δ (its parts). Exact for
+    a dense codec; for a top-k one, an estimate from ``Codec.encoded_size`` (its means' size depends on the data:
+    the simulator measures it, ``measured_bytes_sent``)."""
     if group_size <= 1:
         return 0
     codec, part_values = get_codec(cfg.swarm.compression), cfg.swarm.part_size_bytes // 4
@@ -430,7 +445,7 @@ def _diloco_rounds(
     reducers. Eager: round r's mean is settled by each worker after ``swarm.overlap_steps`` of its round r+1 inner
     steps, the last one after the loop."""
     cfg = pool[0].cfg
-    sent = wire_bytes_sent(cfg, [a.shape for a in pool[0].state.anchor], len(pool))
+    sent = 0  # what a worker sent in the round being settled (_aggregate measures it)
 
     def info(mine: list[Contribution]) -> ReduceInfo:
         gathered = Gathered({f"worker{k}": c.payload for k, c in enumerate(mine)})
@@ -447,7 +462,7 @@ def _diloco_rounds(
     for _ in range(cfg.train.rounds):
         if cfg.swarm.overlap == "none":
             mine = [w.contribute() for w in pool]
-            averaged = _aggregate(cfg, mine, attack, stats)
+            averaged, sent = _aggregate(cfg, mine, attack, stats)
             results = [
                 w.settle(c, averaged, info(mine), rules, eval_sets=eval_sets if k == 0 else None)
                 for k, (w, c) in enumerate(zip(pool, mine, strict=True))
@@ -460,7 +475,7 @@ def _diloco_rounds(
             yield _applied(pool, launched, drained)
         futures = [Future() for _ in pool]
         launched = [w.launch(c, lambda _, f=f: f) for w, c, f in zip(pool, mine, futures, strict=True)]
-        averaged = _aggregate(cfg, launched, attack, stats)
+        averaged, sent = _aggregate(cfg, launched, attack, stats)
         for future in futures:
             future.set_result((averaged, info(launched)))
     if launched:
@@ -532,8 +547,7 @@ def _straggler_rounds(
         gathered = Gathered({names[k]: work[k].payload for k in group})
         factors = rules.weight_factors(gathered)
         mine = [work[k] for k in group]
-        averaged = _aggregate(cfg, mine, _Attack("none", 1.0), stats, [factors.get(names[k]) for k in group])
-        sent = wire_bytes_sent(cfg, [a.shape for a in pool[0].state.anchor], len(group))
+        averaged, sent = _aggregate(cfg, mine, _Attack("none", 1.0), stats, [factors.get(names[k]) for k in group])
         top = majority_tag(gathered)
         first = sorted(group, key=lambda k: (work[k].payload.tag != top, k))  # in-sync members settle first
         shown: RoundResult | None = None

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from p2p_diloco.codec import BLOCK, CODECS, INT4_BLOCK, Codec, CodecError, get_codec, roundtrip_parts
+from p2p_diloco.codec import BLOCK, CODECS, DENSE, INT4_BLOCK, SPARSE, Codec, CodecError, get_codec, roundtrip_parts
 from p2p_diloco.swarm.butterfly import WireCodec
 
 
@@ -15,10 +15,10 @@ def _part(numel: int = 1000, seed: int = 0, scale: float = 1e-3) -> torch.Tensor
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-@pytest.mark.parametrize("name", CODECS)
-@pytest.mark.parametrize("numel", [1, 2, 63, 64, 65, 127, 128, 129, 1000])
+@pytest.mark.parametrize("name", [*CODECS, "sparse8"])
+@pytest.mark.parametrize("numel", [1, 2, 63, 64, 65, 127, 128, 129, 250])
 def test_the_encoding_has_exactly_the_stated_size_and_decodes_to_the_roundtrip(name, numel):
-    codec = get_codec(name)
+    codec = Codec(name)
     part = _part(numel)
     data = codec.encode(part)
     assert len(data) == codec.encoded_size(numel)
@@ -102,7 +102,7 @@ def test_roundtrip_parts_cuts_each_tensor_as_the_swarm_does():
 
 def test_compressed_sizes_per_value():
     numel = 1 << 20
-    ratios = {name: get_codec(name).encoded_size(numel) / (4 * numel) for name in CODECS}
+    ratios = {name: get_codec(name).encoded_size(numel) / (4 * numel) for name in DENSE}
     assert ratios == {
         "none": 1.0,
         "fp16": 0.5,
@@ -112,3 +112,97 @@ def test_compressed_sizes_per_value():
     }
     assert math.isclose(get_codec("int8").bytes_per_value, 1 + 4 / BLOCK)
     assert math.isclose(get_codec("int4").bytes_per_value, 0.5 + 4 / INT4_BLOCK)
+
+
+@pytest.mark.parametrize("name", list(SPARSE))
+def test_top_k_sends_the_largest_magnitudes_with_their_signs_in_two_levels(name):
+    part = _part(5000, 7)
+    out = Codec(name).roundtrip(part)
+    k = math.ceil(SPARSE[name] * 5000)
+    sent = out.nonzero().view(-1)
+    assert sent.numel() == k
+    assert set(sent.tolist()) == set(part.abs().topk(k).indices.tolist())  # exactly the k largest magnitudes
+    assert torch.equal(out[sent].sign(), part[sent].sign())
+    levels = sorted(set(out[sent].abs().tolist()))
+    assert len(levels) == 2 and levels[0] < levels[1]  # 2 bits a value: a sign and one of two magnitudes
+    low, high = levels
+    magnitudes = part[sent].abs()
+    assert low >= float(magnitudes.min()) and high <= float(magnitudes.max())  # means of the kept magnitudes
+    nearer_high = (magnitudes - high).abs() < (magnitudes - low).abs()
+    assert torch.equal(out[sent].abs() == high, nearer_high)  # each value gets the nearer magnitude
+
+
+def test_top_k_positions_survive_gaps_of_255_and_more():
+    """A gap of 255 or more is written with escape bytes: positions just before, at and after the byte's limit."""
+    numel = 100_000
+    at = [0, 254, 255, 509, 510, 1275, 1276, 99_999]
+    part = torch.zeros(numel)
+    part[at] = torch.tensor([1.0, -1.0] * 4)
+    codec = Codec("topk1")  # 1000 values: the 8 above, the rest zeros that decode to 0
+    out = codec.roundtrip(part)
+    assert torch.equal(out, part)
+    data = codec.encode(part)
+    assert len(data) > codec.encoded_size(numel)  # zeros may sit anywhere: some gaps needed escapes
+    mean = torch.zeros(numel)
+    mean[at] = 1.0
+    assert torch.equal(Codec("sparse8").roundtrip(mean), mean)
+    gaps = [b - a - 1 for a, b in zip([-1, *at], at)]  # 0, 253, 0, 253, 0, 764, 0, 98722
+    escapes = sum(gap // 255 for gap in gaps)
+    assert escapes == 389 and len(Codec("sparse8").encode(mean)) == 4 + 4 + 8 + 8 + escapes  # count, scale, codes
+
+
+def test_the_mean_of_top_k_parts_keeps_every_nonzero_in_int8():
+    parts = [Codec("topk3").roundtrip(_part(3000, seed)) for seed in range(4)]
+    mean = torch.stack(parts).mean(0)
+    out = Codec("topk3").mean.roundtrip(mean)
+    assert Codec("topk3").mean.name == "sparse8" and Codec("int8").mean == Codec("int8")
+    assert torch.equal(out != 0, mean != 0)  # the union of the senders' supports, nothing else
+    for start in range(0, int((mean != 0).sum()), BLOCK):  # int8 over the nonzeros, block by block
+        chunk = mean[mean != 0][start : start + BLOCK]
+        got = out[mean != 0][start : start + BLOCK]
+        assert float((got - chunk).abs().max()) <= 0.5 * float(chunk.abs().max()) / 127 * (1 + 1e-5)
+    assert len(Codec("sparse8").encode(torch.zeros(10))) == 4
+
+
+def test_sparse_bytes_that_are_no_encoding_are_refused():
+    codec, numel = Codec("topk1"), 20_000
+    data = codec.encode(_part(numel))
+    assert torch.equal(codec.decode(data, numel), codec.roundtrip(_part(numel)))
+    with pytest.raises(CodecError, match="no topk1 encoding"):
+        codec.decode(data[:-1], numel)  # the last gap cut: one position short
+    with pytest.raises(CodecError, match="no topk1 encoding"):
+        codec.decode(data + bytes([255]), numel)  # an escape with no gap after it
+    with pytest.raises(CodecError, match="no topk1 encoding"):
+        codec.decode(data, 2 * numel)  # the count is not k of that many values
+    last = _part(numel)
+    last[-1] = 1.0  # the largest value, sent at the last position
+    with pytest.raises(CodecError, match="past the part"):
+        codec.decode(codec.encode(last), numel - 50)  # the same k of fewer values: the position is past them
+    bad = bytearray(data)
+    bad[4:8] = torch.tensor([float("nan")]).numpy().tobytes()
+    with pytest.raises(CodecError, match="magnitudes"):
+        codec.decode(bytes(bad), numel)
+    mean = Codec("sparse8")
+    with pytest.raises(CodecError, match="no sparse8 encoding"):
+        mean.decode(mean.encode(_part(50))[:-2], 50)
+    with pytest.raises(CodecError, match="no sparse8 encoding"):
+        mean.decode(b"\x01", 50)
+
+
+def test_a_sparse_wire_sends_parts_in_top_k_and_means_in_sparse8():
+    wire = WireCodec(Codec("topk1"))
+    assert wire.means.codec.name == "sparse8" and WireCodec(Codec("int8")).means.codec.name == "int8"
+    mean = wire.means.compress(_part(500))
+    with pytest.raises(CodecError, match="expected 'p2p_diloco/topk1'"):
+        wire.extract(mean)  # a mean where a part belongs is refused
+    assert torch.equal(wire.means.extract(mean), Codec("sparse8").roundtrip(_part(500)))
+
+
+def test_roundtrip_parts_reports_each_tensors_bytes():
+    tensor = _part(2500, 9).view(50, 50)
+    for name in ("none", "int8", "topk3"):
+        sizes: list[int] = []
+        roundtrip_parts([tensor, tensor[:2]], Codec(name), 1000, sizes)
+        flat = tensor.reshape(-1)
+        expected = sum(len(Codec(name).encode(p)) for p in flat.split(1000)) if name != "none" else 10_000
+        assert sizes[0] == expected and len(sizes) == 2

@@ -518,13 +518,19 @@ def test_a_settled_round_is_hashed_in_the_background_and_the_next_outer_step_wai
         worker.close()
 
 
-def test_error_feedback_sends_what_the_codec_left_out_in_the_next_round_and_keeps_it_through_a_checkpoint(tmp_path):
-    """swarm.error_feedback with int4: round t sends Δ_t + r_{t-1}, and r_t is what the wire's round trip left out of
-    that (exactly: the parts are cut as the swarm cuts them). So over rounds the state moves by the sum of the Δ minus
-    only the last residual, and the residual travels in local_state through a checkpoint. A round that moved nothing
-    keeps what was owed; a local step applies the whole Δ sent: nothing is owed after it."""
-    cfg = load_config(TINY, ["inner.steps=2", "train.rounds=4", "swarm.compression=int4", "swarm.error_feedback=true"])
-    codec, part_values = get_codec("int4"), cfg.swarm.part_size_bytes // 4
+@pytest.mark.parametrize(("name", "flag"), [("int4", "true"), ("topk3", "false")])
+def test_error_feedback_sends_what_the_codec_left_out_in_the_next_round_and_keeps_it_through_a_checkpoint(
+    tmp_path, name, flag
+):
+    """swarm.error_feedback with int4 (a top-k codec has it whatever the flag says): round t sends Δ_t + r_{t-1},
+    and r_t is what the wire's round trip left out of that (exactly: the parts are cut as the swarm cuts them). So
+    over rounds the state moves by the sum of the Δ minus only the last residual, and the residual travels in
+    local_state through a checkpoint. A round that moved nothing keeps what was owed; a local step applies the
+    whole Δ sent: nothing is owed after it."""
+    cfg = load_config(
+        TINY, ["inner.steps=2", "train.rounds=4", f"swarm.compression={name}", f"swarm.error_feedback={flag}"]
+    )
+    codec, part_values = get_codec(name), cfg.swarm.part_size_bytes // 4
     worker, owed = Worker(cfg, 257, _batches(3)), None
     for _ in range(3):
         mine = worker.contribute()
@@ -536,7 +542,7 @@ def test_error_feedback_sends_what_the_codec_left_out_in_the_next_round_and_keep
         assert worker.settle(mine, carried, info, RoundRules()) is not None
         owed = worker.residual
         assert all(torch.equal(r, d - c) for r, d, c in zip(owed, mine.pseudo_grad, carried))
-        assert max(float(r.abs().max()) for r in owed) > 0  # int4 does lose something each round
+        assert max(float(r.abs().max()) for r in owed) > 0  # the codec does lose something each round
     save_round(tmp_path, worker.state, worker_state=worker.local_state())
     again = Worker(cfg, 257, _batches(3))
     again.restore_local_state(load_worker_state(latest_checkpoint(tmp_path)))

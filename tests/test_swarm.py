@@ -18,6 +18,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state
+from p2p_diloco.codec import get_codec
 from p2p_diloco.config import load_config
 from p2p_diloco.export import export_checkpoint
 from p2p_diloco.outer import OuterState
@@ -98,8 +99,8 @@ def finish(procs, timeout: float) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("compression", "overlap", "tolerance"),
-    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("none", "delayed", 1e-5), ("int4+ef", "eager", 4e-3)],
-    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "int4-feedback-eager"],
+    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("none", "delayed", 1e-5), ("topk3", "eager", 4e-3)],
+    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "topk3-eager"],
 )
 def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, compression, overlap, tolerance):
     """Bitwise agreement of every member every round, bytes as the codec encodes them, and the simulator's result.
@@ -107,8 +108,10 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     are summed in another order); a value near a rounding boundary then lands one step away (int8: seen 2.4e-5; an
     int4 step of tiny's Δ̄ is up to ~1e-3, times the Nesterov step's (1 + m) lr), hence the looser bound on the
     largest difference there, and the share of values that differ at all must stay small: a simulator that missed
-    what the peers do (error feedback, a codec's cut into parts) would move nearly every value. int4 runs with
-    swarm.error_feedback: each peer's residual is its own, kept from its own Δ."""
+    what the peers do (error feedback, a codec's cut into parts) would move nearly every value. topk3 (3% of each
+    part in 2 bits, the means of the parts as their nonzeros in int8) runs with error feedback, as a top-k codec
+    always does: each peer's residual is its own, kept from its own Δ. Its bytes depend on the data: the swarm's
+    are compared with the simulator's measure of the same rounds."""
     boot, initial = start_bootstrap(spawn)
     rounds = [  # swarm.target_group_size as the preset has it (16): the group forms once the 3 live peers are in
         "train.rounds=3",
@@ -158,23 +161,6 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     # joined its group at once (open, in the closing note of 2026-12-01); the rest must not
     assert waits[-2] < cfg.swarm.matchmaking_time / 2, waits
 
-    # the bytes each round handed to the transport: the codec's encoded parts, 2(n-1) x Δ over the group
-    shapes = [a.shape for a in load_outer_state(latest_checkpoint(dirs[0] / "checkpoints"))[0].anchor]
-    expected = 3 * wire_bytes_sent(cfg, shapes, 3)
-    for step in (1, 2, 3):
-        rows = [
-            (r["bytes_sent"], r["bytes_received"], r["reduce_attempts"])
-            for d in dirs
-            for r in records(d)
-            if r["outer_step"] == step
-        ]
-        sent = sum(row[0] for row in rows)
-        if all(attempts == 1 for *_, attempts in rows):
-            assert sent == sum(row[1] for row in rows), (step, rows)  # (sent, received, attempts) per member
-            assert 1.0 <= sent / expected < 1.03, (step, sent, expected)
-        else:  # a failed attempt's bytes count too (some die in its broken streams), then a complete one's
-            assert sent >= expected and sum(row[1] for row in rows) >= expected, (step, rows, expected)
-
     # the swarm equals the simulator with the same config, seeds and shards
     simulate(cfg, "diloco", 3, tmp_path / "sim")
     sim, _ = load_outer_state(tmp_path / "sim" / "final_state")
@@ -185,6 +171,27 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     differ = sum(int(((a - b).abs() > 1e-6).sum()) for a, b in pairs) / sum(a.numel() for a, _ in pairs)
     print(f"swarm vs simulator ({compression}, overlap {overlap}): max abs difference {diff:.3g}, {differ:.2%} differ")
     assert diff <= tolerance and differ < 0.01
+
+    # the bytes each round handed to the transport: the codec's encoded parts, 2(n-1) x Δ over the group (a top-k
+    # codec: as the simulator measured the same rounds' encodings, give or take how the parts fell to reducers)
+    shapes = [a.shape for a in swarm.anchor]
+    sparse = get_codec(cfg.swarm.compression).sparse
+    measured = [r["bytes_sent"] for r in records(tmp_path / "sim")]  # a worker's, each round, in the simulator
+    for step in (1, 2, 3):
+        expected = 3 * (measured[step - 1] if sparse else wire_bytes_sent(cfg, shapes, 3))
+        rows = [
+            (r["bytes_sent"], r["bytes_received"], r["reduce_attempts"])
+            for d in dirs
+            for r in records(d)
+            if r["outer_step"] == step
+        ]
+        sent = sum(row[0] for row in rows)
+        if all(attempts == 1 for *_, attempts in rows):
+            assert sent == sum(row[1] for row in rows), (step, rows)  # (sent, received, attempts) per member
+            print(f"round {step}: {sent} bytes sent by the 3 peers, {sent / expected:.4f} of {expected:.0f}")
+            assert (0.95 if sparse else 1.0) <= sent / expected < (1.08 if sparse else 1.03), (step, sent, expected)
+        else:  # a failed attempt's bytes count too (some die in its broken streams), then a complete one's
+            assert sent >= 0.8 * expected and sum(row[1] for row in rows) >= 0.8 * expected, (step, rows, expected)
 
 
 @pytest.mark.timeout(240)

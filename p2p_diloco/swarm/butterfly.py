@@ -84,6 +84,12 @@ class WireCodec(CompressionBase):
     def __init__(self, codec: Codec):
         self.codec = codec
 
+    @property
+    def means(self) -> WireCodec:
+        """The wire of a group's or a round's mean of a part (``Codec.mean``: a top-k codec's means keep every
+        nonzero); this wire itself for a dense codec."""
+        return self if self.codec.mean == self.codec else WireCodec(self.codec.mean)
+
     def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False) -> Any:
         return runtime_pb2.Tensor(
             buffer=self.codec.encode(tensor),
@@ -256,10 +262,10 @@ class Combiner:
 
     async def _combine(self, part: int, mean: torch.Tensor, weight: float) -> Settled:
         loop = asyncio.get_event_loop()
-        serialized = await loop.run_in_executor(None, self.wire.compress, mean)
+        serialized = await loop.run_in_executor(None, self.wire.means.compress, mean)
         leader = self.groups.leader(part)
         if leader == self.peer_id:
-            return await self._offer(part, self.groups.index, self.wire.extract(serialized), weight)
+            return await self._offer(part, self.groups.index, self.wire.means.extract(serialized), weight)
         metadata = {"group_id": self.group_id, "part": part, "group": self.groups.index, "weight": float(weight)}
         request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(metadata), tensor_part=serialized)
         self.payload_bytes.add(PayloadBytes.SENT, request.ByteSize())
@@ -267,7 +273,7 @@ class Combiner:
         self.payload_bytes.add(PayloadBytes.RECEIVED, reply.ByteSize())
         if not reply.HasField("tensor_part"):
             raise AllreduceException(f"the round reducer of part {part} refused our group's mean")
-        tensor = self.wire.extract(reply.tensor_part)
+        tensor = self.wire.means.extract(reply.tensor_part)
         if tuple(tensor.shape) != (self.groups.lengths[part],):
             raise AllreduceException(f"the round reducer of part {part} sent {tuple(tensor.shape)} values")
         return Settled(tensor, reply.tensor_part)
@@ -285,7 +291,7 @@ class Combiner:
             valid = 0 <= part < len(groups.lengths) and 0 <= group < len(groups.owners) and group != groups.index
             if not valid or groups.owners[group][part] != caller or groups.leader(part) != self.peer_id:
                 return refused
-            tensor = self.wire.extract(request.tensor_part)
+            tensor = self.wire.means.extract(request.tensor_part)
             if tuple(tensor.shape) != (groups.lengths[part],):
                 return refused
         except Exception:  # noqa: BLE001 - a stranger's bytes: refused, never raised
@@ -311,8 +317,8 @@ class Combiner:
             order = range(len(self.groups.owners))
             rule, clip = self.aggregation.rule, self.aggregation.clip
             result = combine_groups([means[k][0] for k in order], [means[k][1] for k in order], rule, clip)
-            serialized = self.wire.compress(result)
-            done.set_result(Settled(self.wire.extract(serialized), serialized))
+            serialized = self.wire.means.compress(result)
+            done.set_result(Settled(self.wire.means.extract(serialized), serialized))
         return await asyncio.shield(done)
 
 
@@ -521,7 +527,7 @@ class ExactRunner(AllReduceRunner):
                 if isinstance(averaged, Settled):
                     averaged = averaged.tensor
                 elif codec.name != "none":
-                    averaged = codec.roundtrip(averaged)
+                    averaged = codec.mean.roundtrip(averaged)
                 self.tensor_part_container.register_processed_part(index, part_index, averaged)
         except BaseException:
             self.tensor_part_container.register_failed_reducer(index)  # stock: our own slice would hang
@@ -543,7 +549,7 @@ class ExactRunner(AllReduceRunner):
             def decoded(message: Any) -> torch.Tensor:
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                return self.wire.extract(message.tensor_part)
+                return self.wire.means.extract(message.tensor_part)
 
             async for averaged in amap_in_executor(
                 decoded, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
@@ -591,7 +597,7 @@ class ExactRunner(AllReduceRunner):
                 if isinstance(averaged, Settled):  # the round reducer's bytes, as every member gets them
                     serialized = averaged.serialized
                 else:
-                    serialized = await loop.run_in_executor(None, wire.compress, averaged)
+                    serialized = await loop.run_in_executor(None, wire.means.compress, averaged)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -103,7 +103,7 @@ def mem_available_mib() -> float:
     return float("inf")
 
 
-CODEC_ORDER = ("none", "fp16", "bf16", "int8", "int8+ef", "int4", "int4+ef")
+CODEC_ORDER = ("none", "fp16", "bf16", "int8", "int8+ef", "int4", "int4+ef", "topk3", "topk1")
 
 
 @dataclasses.dataclass(frozen=True)
