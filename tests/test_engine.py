@@ -11,7 +11,7 @@ import torch
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state, save_round
 from p2p_diloco.codec import get_codec, roundtrip_parts
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.engine import ReduceInfo, Worker, fp32_bytes_sent
+from p2p_diloco.engine import ReduceInfo, Worker, fp32_bytes_sent, sparse_advice
 from p2p_diloco.inner import lr_at
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import OuterState
@@ -563,3 +563,10 @@ def test_error_feedback_sends_what_the_codec_left_out_in_the_next_round_and_keep
     short = {**again.local_state(), "residual": [r[:1] for r in owed]}
     with pytest.raises(ValueError, match="residual's shapes are not the model's"):
         plain.restore_local_state(short)
+
+
+def test_a_top_k_codec_with_outer_momentum_gets_the_measured_advice():
+    assert sparse_advice(load_config(TINY, ["swarm.compression=int8"])) is None
+    assert sparse_advice(load_config(TINY, ["swarm.compression=topk3", "outer.momentum=0"])) is None
+    advice = sparse_advice(load_config(TINY, ["swarm.compression=topk1"]))
+    assert advice is not None and "outer.momentum=0" in advice and "swarm.feedback_decay=0.95" in advice
