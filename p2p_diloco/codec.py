@@ -1,27 +1,38 @@
 """Pseudo-gradient codecs: how a part of Δ (or of the group's mean) is written on the wire (pure torch).
 
-Inputs:  a codec name (``swarm.compression``: none, fp16, bf16, int8, int4); 1-D fp32 CPU tensors (parts of Δ).
+Inputs:  a codec name (``swarm.compression``: none, fp16, bf16, int8, int4, topk1, topk3); 1-D fp32 CPU tensors
+         (parts of Δ).
 Output:  ``Codec.encode(part) -> bytes`` and ``Codec.decode(data, numel) -> fp32 tensor``; ``roundtrip(part)``
-         (decode of encode: what every receiver of that part holds); ``encoded_size(numel)``: the exact bytes, and
-         ``parts_size(numel, part_values)`` those of a tensor cut into the swarm's parts;
+         (decode of encode: what every receiver of that part holds); ``encoded_size(numel)``: the bytes (exact for a
+         dense codec), and ``parts_size(numel, part_values)`` those of a tensor cut into the swarm's parts;
          ``roundtrip_parts(tensors, part_values)``: whole tensors cut into the swarm's parts (hivemind splits
          each flattened tensor into consecutive parts of ``part_values`` values), each part round-tripped. The
-         simulator uses it to apply exactly what the swarm's wire does.
+         simulator uses it to apply exactly what the swarm's wire does. ``Codec.mean``: the codec of a group's mean.
 State:   none.
 Failure: ``CodecError`` for an unknown name, and for bytes that are not an encoding of ``numel`` values (a
          peer sending them is treated as a broken sender by the caller). Encoding assumes finite input
          (the averager refuses non-finite Δ before this); fp16 saturates at +-65504 instead of overflowing.
 
-The codecs, bytes per value: ``none`` 4 (fp32 as is); ``fp16`` 2 (round to nearest, saturating); ``bf16`` 2
+The dense codecs, bytes per value: ``none`` 4 (fp32 as is); ``fp16`` 2 (round to nearest, saturating); ``bf16`` 2
 (round to nearest even: fp32's range, 8 bits of mantissa); ``int8`` 1 + 4 / BLOCK: blockwise absmax, each
 block of ``BLOCK`` values scaled by its largest magnitude / 127 (one fp32 scale per block) and rounded to
 nearest, so a value's error is at most half its block's step (absmax / 254); ``int4`` 0.5 + 4 / INT4_BLOCK: the
 same over blocks of ``INT4_BLOCK`` values with codes -7..7 (step absmax / 7, so an error of up to absmax / 14: ~10%
-of a Gaussian part's norm, against int8's ~0.5%; engine.py's error feedback carries it into the next round), two
-codes a byte, the low nibble first. Decoding is one multiply per
-value, the same IEEE operation on every peer: all receivers of the same bytes hold bitwise the same values.
-Every codec is deterministic (no stochastic rounding): the reducer's own slice goes through the same
-encode/decode as the slices it sends, which is what keeps a group's outer states bitwise equal.
+of a Gaussian part's norm, against int8's ~0.5%), two codes a byte, the low nibble first. A dense codec's mean
+travels in the same codec.
+
+The top-k codecs (``SPARSE``: topk1, topk3 send 1% and 3% of each part's values; engine.py always runs them with
+error feedback, which carries the rest into later rounds, as SparseLoCo, arXiv 2508.15706): the part's k largest
+magnitudes, each in 2 bits (its sign and the nearer of two magnitudes, the means of the kept magnitudes up to and
+above their median), their positions as byte gaps (a gap of 255 or more takes escape bytes): ~1.25 bytes a value
+sent. A group's mean of top-k parts holds the union of the senders' positions; it travels as ``sparse8`` (its
+nonzeros in int8, with their positions), so a reducer never drops what a sender sent.
+
+Any codec writes a part of zeros as no bytes (and decodes no bytes as zeros): the tensors a round of streaming
+fragments leaves out (fragments.py) cost nothing. Decoding is the same IEEE operations on every peer: all receivers of
+the same bytes hold bitwise the same values. Every codec is deterministic (no stochastic rounding): the reducer's own
+slice goes through the same encode/decode as the slices it sends, which is what keeps a group's outer states bitwise
+equal.
 """
 
 from __future__ import annotations
@@ -93,6 +104,8 @@ class Codec:
 
     def encode(self, part: torch.Tensor) -> bytes:
         flat = part.detach().reshape(-1).to("cpu", torch.float32)
+        if not bool(flat.any()):
+            return b""  # an all-zero part (a tensor another fragment's round leaves out): no bytes, any codec
         if self.name == "none":
             return flat.numpy().tobytes()
         if self.name == "fp16":
@@ -107,6 +120,8 @@ class Codec:
         return scales.numpy().tobytes() + codes.numpy().tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        if not data:
+            return torch.zeros(numel, dtype=torch.float32)
         if self.sparse:
             return _topk_decode(data, numel, SPARSE[self.name], self.name)
         if self.name == MEAN_OF_SPARSE:
@@ -133,7 +148,8 @@ class Codec:
     def roundtrip_sized(self, part: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(``roundtrip(part)``, the bytes of its encoding)."""
         if self.name == "none":
-            return part.detach().to("cpu", torch.float32).clone(), 4 * part.numel()
+            out = part.detach().to("cpu", torch.float32).clone()
+            return out, 4 * part.numel() if bool(out.any()) else 0
         data = self.encode(part)
         return self.decode(data, part.numel()).view(part.shape), len(data)
 
@@ -295,7 +311,7 @@ def roundtrip_parts(
         if codec.name == "none":
             out.append(flat.clone().view(tensor.shape))
             if sizes is not None:
-                sizes.append(codec.parts_size(flat.numel(), part_values))
+                sizes.append(sum(codec.roundtrip_sized(part)[1] for part in flat.split(part_values)))
             continue
         parts = [codec.roundtrip_sized(part) for part in flat.split(part_values)]
         if sizes is not None:

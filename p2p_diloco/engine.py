@@ -56,6 +56,7 @@ import torch
 
 from p2p_diloco.codec import get_codec, roundtrip_parts
 from p2p_diloco.config import Config
+from p2p_diloco.fragments import Fragments
 from p2p_diloco.inner import InnerOptimizer, InnerStats, round_end
 from p2p_diloco.model import autocast, build_model, resolve_device
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState, outer_lr_at, pseudo_gradient
@@ -275,6 +276,8 @@ class Worker:
         total_steps = cfg.train.rounds * cfg.inner.steps
         self.inner = InnerOptimizer(self.model, cfg.inner, total_steps)
         self.state = OuterState.from_params(self.model.parameters())
+        # swarm.fragments: which tensors each round exchanges (fragments.py); with 1, all of them every round
+        self.fragments = Fragments.of([a.numel() for a in self.state.anchor], cfg.swarm.fragments)
         # swarm.overlap eager: the look-ahead the inner steps started from while an exchange is in flight (fp32 CPU;
         # None: they started at the anchor), and that exchange
         self.start: list[torch.Tensor] | None = None
@@ -310,9 +313,16 @@ class Worker:
             yield batch
 
     def local_state(self) -> dict[str, Any]:
-        """What only this worker holds: inner optimizer state and how far into its shard it has read."""
+        """What only this worker holds: inner optimizer state and how far into its shard it has read; the error
+        feedback residual; with fragments, θ (the tensors not exchanged yet trained on past the anchor) and the round
+        it belongs to."""
         out = {"inner_optimizer": self.inner.optimizer.state_dict(), "batches_taken": self.batches_taken}
-        return out if self.residual is None else {**out, "residual": [r.clone() for r in self.residual]}
+        if self.residual is not None:
+            out["residual"] = [r.clone() for r in self.residual]
+        if self.fragments.count > 1:
+            out["params"] = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
+            out["params_round"] = self.state.round
+        return out
 
     def restore_local_state(self, saved: dict[str, Any]) -> None:
         """Continue from ``local_state()`` of an earlier run of this worker: same moments, next batches.
@@ -334,9 +344,16 @@ class Worker:
                 if [list(r.shape) for r in residual] != shapes:
                     raise ValueError(f"the error feedback residual's shapes are not the model's {shapes}")
                 residual = [r.to("cpu", torch.float32).clone() for r in residual]
+            params = saved.get("params") if saved.get("params_round") == self.state.round else None
+            if params is not None and [list(p.shape) for p in params] != [list(a.shape) for a in self.state.anchor]:
+                raise ValueError("the saved parameters' shapes are not the model's")
             self.inner.optimizer.load_state_dict(saved["inner_optimizer"])
             skip = int(saved["batches_taken"]) - self.batches_taken
             self.residual = residual
+            if params is not None and self.fragments.count > 1:  # saved at this state: the fragments' progress too
+                with torch.no_grad():
+                    for p, x in zip(self.model.parameters(), params, strict=True):
+                        p.copy_(x)
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"saved worker state does not fit this model and optimizer: {exc}") from None
         for _ in range(skip):
@@ -408,22 +425,33 @@ class Worker:
             self.reset_params()
             raise
 
+    def active(self) -> list[bool]:
+        """Per tensor: whether this round exchanges it (swarm.fragments: the round's fragment; else all)."""
+        return self.fragments.active(self.state.round)
+
     def pseudo_grad(self) -> list[torch.Tensor]:
-        """Δ = anchor - θ (eager: called once the exchange before is settled and θ carried onto the new anchor)."""
+        """Δ = anchor - θ (eager: called once the exchange before is settled and θ carried onto the new anchor); with
+        fragments, zeros for the tensors this round does not exchange."""
         try:
-            return pseudo_gradient(self.state.anchor, self.model.parameters())
+            delta = pseudo_gradient(self.state.anchor, self.model.parameters())
         except Exception:
             self.reset_params()
             raise
+        if self.fragments.count > 1:
+            for d, on in zip(delta, self.active(), strict=True):
+                if not on:
+                    d.zero_()
+        return delta
 
     def apply_outer(self, avg_delta: list[torch.Tensor]) -> float:
         """Outer step on the anchor with Δ̄, then θ ← anchor. Returns the outer lr used."""
         self._hashed()  # the only change in place: a hashing in the background must have read the state first
         lr = self.outer_lr(self.state.round)
+        only = self.active() if self.fragments.count > 1 else None
         try:
-            self.state.apply(avg_delta, lr, self.cfg.outer.momentum, self.cfg.outer.nesterov)
+            self.state.apply(avg_delta, lr, self.cfg.outer.momentum, self.cfg.outer.nesterov, only)
         finally:
-            self.state.copy_to(self.model.parameters())
+            self.state.copy_to(self.model.parameters(), only)
         return lr
 
     def tag(self) -> RoundTag:
@@ -514,10 +542,17 @@ class Worker:
         s, codec = self.cfg.swarm, get_codec(self.cfg.swarm.compression)
         if not (s.error_feedback or codec.sparse) or s.compression == "none":
             return delta, None
+        active = self.active()  # with fragments, the other tensors' residual waits for their turn, untouched
         if self.residual is not None:
-            delta = [d.add(r, alpha=s.feedback_decay) for d, r in zip(delta, self.residual, strict=True)]
+            delta = [
+                d.add(r, alpha=s.feedback_decay) if on else d
+                for d, r, on in zip(delta, self.residual, active, strict=True)
+            ]
         carried = roundtrip_parts(delta, codec, s.part_size_bytes // 4)
-        return delta, [d.sub(c) for d, c in zip(delta, carried, strict=True)]
+        owed = [d.sub(c) for d, c in zip(delta, carried, strict=True)]
+        if self.residual is not None:
+            owed = [o if on else r for o, r, on in zip(owed, self.residual, active, strict=True)]
+        return delta, owed
 
     def settle(
         self,
@@ -539,7 +574,9 @@ class Worker:
             elif decision.counts:  # the Δ sent is in the group's mean: what the codec left out of it is owed
                 self.residual = mine.residual
         if done is None:
-            self.state.copy_to(self.model.parameters())  # θ back to the (possibly downloaded) anchor
+            # θ back to the (possibly downloaded) anchor: with fragments, the lost round's fragment only (a download
+            # already put every tensor there)
+            self.state.copy_to(self.model.parameters(), self.active() if self.fragments.count > 1 else None)
             lost = RoundResult(self.state.round, mine.inner, info, self.tag_soon(), 0.0, None, decision.action)
             lost.lost_reason = decision.reason
             self.lost.append(lost)
@@ -738,7 +775,17 @@ class Worker:
         last = self.state.round >= self.cfg.train.rounds
         if eval_sets is None or every == 0 or (self.state.round % every and not last):
             return None
-        losses = evaluate(self.model, eval_sets, self.cfg.data.batch_size, self.cfg)
+        if self.fragments.count > 1:  # the replicated state, not θ (the fragments not exchanged yet are ahead of it)
+            params = [p.detach().clone() for p in self.model.parameters()]
+            self.state.copy_to(self.model.parameters())
+            try:
+                losses = evaluate(self.model, eval_sets, self.cfg.data.batch_size, self.cfg)
+            finally:
+                with torch.no_grad():
+                    for p, x in zip(self.model.parameters(), params, strict=True):
+                        p.copy_(x)
+        else:
+            losses = evaluate(self.model, eval_sets, self.cfg.data.batch_size, self.cfg)
         if not all(math.isfinite(v) for v in losses.values()):
             log.warning("eval loss is not finite: %s", losses)
         return losses

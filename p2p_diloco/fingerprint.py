@@ -28,6 +28,7 @@ Output:  :func:`swarm_fingerprint` -> (12 hex digits, summary). The summary is a
            swarm.aggregation, swarm.aggregation_clip, swarm.min_cosine
                                          how the reducers bound each sender (robust.py)
            swarm.compression, swarm.part_size_bytes    the wire codec and the parts it encodes (codec.py)
+           swarm.fragments                             which tensors each round exchanges (fragments.py)
            swarm.target_group_size                     how a round splits into groups (protocol.split_groups)
            swarm.max_staleness, swarm.staleness_decay  whose delayed Δ counts, and with what weight (protocol.py)
          :func:`fingerprint_differences` -> one line per differing field, ``"field: theirs X, ours Y"``.
@@ -170,6 +171,7 @@ def swarm_fingerprint(cfg: Config, model: torch.nn.Module, data: DataPipeline) -
             "swarm.aggregation_clip": cfg.swarm.aggregation_clip,
             "swarm.min_cosine": cfg.swarm.min_cosine,
             "swarm.compression": cfg.swarm.compression,
+            "swarm.fragments": cfg.swarm.fragments,
             "swarm.part_size_bytes": cfg.swarm.part_size_bytes,
             "swarm.target_group_size": cfg.swarm.target_group_size,
             "swarm.max_staleness": cfg.swarm.max_staleness,

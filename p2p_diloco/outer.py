@@ -92,10 +92,21 @@ class OuterState:
         anchor = [p.detach().to("cpu", torch.float32).clone() for p in params]
         return cls(anchor=anchor, momentum=[torch.zeros_like(a) for a in anchor], round=0)
 
-    def apply(self, avg_delta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool = True) -> None:
-        """One outer SGD step on the anchor with ``avg_delta`` as the gradient: the outer step that ends a round."""
+    def apply(
+        self,
+        avg_delta: Sequence[torch.Tensor],
+        lr: float,
+        momentum: float,
+        nesterov: bool = True,
+        only: Sequence[bool] | None = None,
+    ) -> None:
+        """One outer SGD step on the anchor with ``avg_delta`` as the gradient: the outer step that ends a round.
+        ``only``: per tensor, whether it takes the step (swarm.fragments: the round's fragment); the others' anchor and
+        momentum stay as they are. Default: every tensor."""
         _check_finite(avg_delta, "averaged pseudo-gradient")
-        for a, buf, g in zip(self.anchor, self.momentum, avg_delta, strict=True):
+        for k, (a, buf, g) in enumerate(zip(self.anchor, self.momentum, avg_delta, strict=True)):
+            if only is not None and not only[k]:
+                continue
             g = g.to(torch.float32)
             if momentum != 0:
                 buf.mul_(momentum).add_(g)
@@ -120,11 +131,12 @@ class OuterState:
             out.append(x)
         return out
 
-    def copy_to(self, params: Iterable[torch.Tensor]) -> None:
-        """θ ← anchor (into the model's params, whatever their device and dtype)."""
+    def copy_to(self, params: Iterable[torch.Tensor], only: Sequence[bool] | None = None) -> None:
+        """θ ← anchor (into the model's params, whatever their device and dtype); ``only``: those tensors alone."""
         with torch.no_grad():
-            for p, a in zip(params, self.anchor, strict=True):
-                p.copy_(a)
+            for k, (p, a) in enumerate(zip(params, self.anchor, strict=True)):
+                if only is None or only[k]:
+                    p.copy_(a)
 
     def tensors(self) -> list[torch.Tensor]:
         """Anchor then momentum: the order used for state transfer and checkpoints."""

@@ -161,7 +161,7 @@ def test_the_mean_of_top_k_parts_keeps_every_nonzero_in_int8():
         chunk = mean[mean != 0][start : start + BLOCK]
         got = out[mean != 0][start : start + BLOCK]
         assert float((got - chunk).abs().max()) <= 0.5 * float(chunk.abs().max()) / 127 * (1 + 1e-5)
-    assert len(Codec("sparse8").encode(torch.zeros(10))) == 4
+    assert Codec("sparse8").encode(torch.zeros(10)) == b""  # as every codec writes a part of zeros
 
 
 def test_sparse_bytes_that_are_no_encoding_are_refused():

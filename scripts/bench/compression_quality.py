@@ -21,7 +21,9 @@ steps per worker (equal tokens). Cases per preset:
     with ``--delayed``, also: delayed int8 (engine.py: eager without the look-ahead) at τ_rec on every seed, and at
             τ = H (Δ̄ one round late) on seed 0
 With ``--codecs``, the plan is instead each listed codec, blocking, at every seed (a ``+ef`` suffix: with
-``swarm.error_feedback``, engine.py: the codec's loss carried into the next round's Δ).
+``swarm.error_feedback``, engine.py: the codec's loss carried into the next round's Δ). A top-k codec (topk1, topk3:
+error feedback always) runs with ``SPARSE_OUTER``, the outer step engine.sparse_advice names (``--set`` after it
+overrides it: ``--set outer.momentum=0.9`` for DiLoCo's).
 τ_rec is ``--tau-rec`` (default 10; the simulator's exchange takes no time, so a case sets τ: the swarm's default
 ``swarm.overlap_steps`` 0 adapts it to the measured exchange). Each case's final eval loss is compared with
 the blocking none run of the same preset and seed ("ratio"); the seeds table gives each combination's mean ratio. A
@@ -149,14 +151,20 @@ def codec_plan(preset: str, codecs: list[str], seeds: list[int]) -> list[Case]:
     return [Case(preset, c, "none", 0, seed, "codec") for seed in seeds for c in codecs]
 
 
+# a top-k codec runs with the outer step its advice names (engine.sparse_advice): its error feedback is the momentum
+SPARSE_OUTER = ["outer.momentum=0", "outer.lr=1", "outer.lr_warmup_rounds=0", "swarm.feedback_decay=0.95"]
+
+
 def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
     spec = PRESETS[case.preset]
     rounds = args.rounds or spec["rounds"]
     h = args.h or spec["h"]
     base = SMOKE_OVERRIDES if args.smoke else spec["overrides"]
     eager = [f"swarm.overlap_steps={case.tau}"] if case.overlap != "none" else []
+    sparse = SPARSE_OUTER if case.compression.startswith("topk") else []
     return [
         *base,
+        *sparse,
         *args.overrides,
         f"inner.steps={h}",
         f"train.rounds={rounds}",

@@ -43,6 +43,7 @@ ITEMS = [
     ("netlab", "7. Communication on shaped links"),
     ("compression_quality", "8. Quality per codec and overlap"),
     ("codecs", "8b. Quality of int4 and error feedback"),
+    ("sparse", "8c. Quality of the top-k codecs (equal tokens, 40 rounds x H 25)"),
     ("stragglers", "9. Uneven peers: one 3x slower"),
     ("join", "10. Joining: state download"),
     ("staleness", "11. A straggler's delayed pseudo-gradient (simulated)"),
@@ -50,7 +51,9 @@ ITEMS = [
 ]
 # an item whose script is not scripts/bench/<item>.py
 SCRIPTS = {
-    "codecs": "compression_quality.py --codecs none int8 int4 int4+ef int8+ef --seeds 0 1 --out results/codecs.json"
+    "codecs": "compression_quality.py --codecs none int8 int4 int4+ef int8+ef --seeds 0 1 --out results/codecs.json",
+    "sparse": "compression_quality.py --preset tiny --rounds 40 --h 25 --codecs none int8 int4 topk3 topk1 --seeds 0 1 "
+    "--out results/sparse.json",
 }
 
 
@@ -218,6 +221,7 @@ SHORT = {
     "staleness": "11. Delayed pseudo-gradient",
     "threads": "12. Threads",
     "codecs": "8b. int4, error feedback",
+    "sparse": "8c. top-k codecs",
     "one_state": "13. One state",
     "scale": "14. Many peers",
 }
@@ -522,6 +526,7 @@ SUMMARISERS: dict[str, Callable[[dict[str, Any]], Headline]] = {
     "netlab": _s_netlab,
     "compression_quality": _s_compression_quality,
     "codecs": _s_codecs,
+    "sparse": _s_codecs,
     "stragglers": _s_stragglers,
     "join": _s_join,
     "staleness": _s_staleness,
