@@ -299,6 +299,8 @@ def simulate(
         metrics.close()
         trackers.close()
 
+    if mode in ("diloco", "fedavg") and pool[0].fragments.count > 1:
+        pool[0].state.copy_to(model.parameters())  # the replicated state, not θ's fragments still to be exchanged
     final = evaluate(model, eval_sets, cfg.data.batch_size, cfg)
     results = {
         "mode": mode,

@@ -99,8 +99,14 @@ def finish(procs, timeout: float) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("compression", "overlap", "tolerance"),
-    [("none", "none", 1e-5), ("none", "eager", 1e-5), ("none", "delayed", 1e-5), ("topk3", "eager", 4e-3)],
-    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "topk3-eager"],
+    [
+        ("none", "none", 1e-5),
+        ("none", "eager", 1e-5),
+        ("none", "delayed", 1e-5),
+        ("topk3", "eager", 4e-3),
+        ("topk1@F2", "none", 4e-3),
+    ],
+    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "topk3-eager", "topk1-fragments2"],
 )
 def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, compression, overlap, tolerance):
     """Bitwise agreement of every member every round, bytes as the codec encodes them, and the simulator's result.
@@ -111,15 +117,16 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     what the peers do (error feedback, a codec's cut into parts) would move nearly every value. topk3 (3% of each
     part in 2 bits, the means of the parts as their nonzeros in int8) runs with error feedback, as a top-k codec
     always does: each peer's residual is its own, kept from its own Δ. Its bytes depend on the data: the swarm's
-    are compared with the simulator's measure of the same rounds."""
+    are compared with the simulator's measure of the same rounds. ``@F2``: swarm.fragments 2 (rounds 1 and 3
+    exchange one half of the model's tensors, round 2 the other)."""
     boot, initial = start_bootstrap(spawn)
     rounds = [  # swarm.target_group_size as the preset has it (16): the group forms once the 3 live peers are in
         "train.rounds=3",
         "data.num_shards=3",
         "swarm.min_group_size=3",
         "swarm.start_peers=3",
-        f"swarm.compression={compression.removesuffix('+ef')}",
-        f"swarm.error_feedback={compression.endswith('+ef')}",
+        f"swarm.compression={compression.partition('@F')[0]}",
+        f"swarm.fragments={compression.partition('@F')[2] or 1}",
         f"swarm.overlap={overlap}",
         "swarm.overlap_steps=2",  # eager, delayed: round r's Δ̄ is settled after 2 of round r+1's 5 inner steps
     ]
@@ -175,7 +182,7 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     # the bytes each round handed to the transport: the codec's encoded parts, 2(n-1) x Δ over the group (a top-k
     # codec: as the simulator measured the same rounds' encodings, give or take how the parts fell to reducers)
     shapes = [a.shape for a in swarm.anchor]
-    sparse = get_codec(cfg.swarm.compression).sparse
+    sparse = get_codec(cfg.swarm.compression).sparse or cfg.swarm.fragments > 1
     measured = [r["bytes_sent"] for r in records(tmp_path / "sim")]  # a worker's, each round, in the simulator
     for step in (1, 2, 3):
         expected = 3 * (measured[step - 1] if sparse else wire_bytes_sent(cfg, shapes, 3))
@@ -189,7 +196,8 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
         if all(attempts == 1 for *_, attempts in rows):
             assert sent == sum(row[1] for row in rows), (step, rows)  # (sent, received, attempts) per member
             print(f"round {step}: {sent} bytes sent by the 3 peers, {sent / expected:.4f} of {expected:.0f}")
-            assert (0.95 if sparse else 1.0) <= sent / expected < (1.08 if sparse else 1.03), (step, sent, expected)
+            # a part's message framing (some 20 bytes, an empty part's too) weighs more beside a few KB of top-k
+            assert (0.95 if sparse else 1.0) <= sent / expected < (1.15 if sparse else 1.03), (step, sent, expected)
         else:  # a failed attempt's bytes count too (some die in its broken streams), then a complete one's
             assert sent >= 0.8 * expected and sum(row[1] for row in rows) >= 0.8 * expected, (step, rows, expected)
 

@@ -23,7 +23,9 @@ steps per worker (equal tokens). Cases per preset:
 With ``--codecs``, the plan is instead each listed codec, blocking, at every seed (a ``+ef`` suffix: with
 ``swarm.error_feedback``, engine.py: the codec's loss carried into the next round's Δ). A top-k codec (topk1, topk3:
 error feedback always) runs with ``SPARSE_OUTER``, the outer step engine.sparse_advice names (``--set`` after it
-overrides it: ``--set outer.momentum=0.9`` for DiLoCo's).
+overrides it: ``--set outer.momentum=0.9`` for DiLoCo's). ``@F<n>`` after a codec runs it with streaming fragments
+(``swarm.fragments`` n, fragments.py: a round exchanges 1/n of the model; at the same H each fragment's period is
+n x H).
 τ_rec is ``--tau-rec`` (default 10; the simulator's exchange takes no time, so a case sets τ: the swarm's default
 ``swarm.overlap_steps`` 0 adapts it to the measured exchange). Each case's final eval loss is compared with
 the blocking none run of the same preset and seed ("ratio"); the seeds table gives each combination's mean ratio. A
@@ -108,6 +110,19 @@ def mem_available_mib() -> float:
 CODEC_ORDER = ("none", "fp16", "bf16", "int8", "int8+ef", "int4", "int4+ef", "topk3", "topk1")
 
 
+def codec_label(text: str) -> str:
+    """A ``--codecs`` entry: a CODEC_ORDER name, optionally ``@F<n>`` for swarm.fragments n (``topk3@F4``)."""
+    name, _, fragments = text.partition("@F")
+    if name not in CODEC_ORDER or (fragments and not (fragments.isdigit() and int(fragments) >= 1)):
+        raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(CODEC_ORDER)}, optionally @F<fragments>")
+    return text
+
+
+def label_order(label: str) -> tuple[int, int]:
+    name, _, fragments = label.partition("@F")
+    return CODEC_ORDER.index(name), int(fragments or 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     preset: str
@@ -162,6 +177,7 @@ def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
     base = SMOKE_OVERRIDES if args.smoke else spec["overrides"]
     eager = [f"swarm.overlap_steps={case.tau}"] if case.overlap != "none" else []
     sparse = SPARSE_OUTER if case.compression.startswith("topk") else []
+    codec, _, fragments = case.compression.partition("@F")
     return [
         *base,
         *sparse,
@@ -169,8 +185,9 @@ def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
         f"inner.steps={h}",
         f"train.rounds={rounds}",
         "train.checkpoint_every=0",
-        f"swarm.compression={case.compression.removesuffix('+ef')}",
-        f"swarm.error_feedback={case.compression.endswith('+ef')}",
+        f"swarm.compression={codec.removesuffix('+ef')}",
+        f"swarm.error_feedback={codec.endswith('+ef')}",
+        f"swarm.fragments={fragments or 1}",
         f"swarm.overlap={case.overlap}",
         *eager,
         f"seed={case.seed}",
@@ -300,7 +317,7 @@ def tables(records: dict[tuple, dict[str, Any]], presets: list[str]) -> str:
         if not seeds:
             continue
         rows = [r for k, r in records.items() if k[0] == preset and k[4] == seeds[0]]
-        rows.sort(key=lambda r: (r["overlap"] != "none", r["tau"], CODEC_ORDER.index(r["compression"])))
+        rows.sort(key=lambda r: (r["overlap"] != "none", r["tau"], label_order(r["compression"])))
         lines += [
             f"\n{preset} (seed {seeds[0]}; ratio = final eval loss / blocking none's)\n",
             "| setting | final eval loss | ratio | MB sent/worker | wall s | status |",
@@ -354,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", action="store_true", help="keep the finished cases of the --out file that have the same settings"
     )
     p.add_argument("--delayed", action="store_true", help="also the delayed overlap cases (module doc)")
-    p.add_argument("--codecs", nargs="+", choices=CODEC_ORDER, default=None, help="only these codecs, blocking")
+    p.add_argument("--codecs", nargs="+", type=codec_label, default=None, help="only these codecs, blocking")
     p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
     args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
     exit_on_sigterm()

@@ -1,0 +1,79 @@
+"""Streaming fragments (p2p_diloco/fragments.py and the Worker's rounds with swarm.fragments > 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2p_diloco.checkpoint import latest_checkpoint, load_worker_state, save_round
+from p2p_diloco.config import ConfigError, load_config
+from p2p_diloco.engine import ReduceInfo, Worker
+from p2p_diloco.fragments import Fragments
+from p2p_diloco.protocol import Gathered, RoundRules
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+def _batches(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(0, 257, (2, 16), generator=g)
+
+
+def test_fragments_hold_about_equal_values_and_take_turns():
+    sizes = [1000, 10, 500, 490, 20, 980]
+    fragments = Fragments.of(sizes, 2)
+    assert fragments.sizes(sizes) == [1500, 1500]  # 1000 + 490 + 10 and 980 + 500 + 20
+    assert fragments.of_tensor == (0, 0, 1, 0, 1, 1)
+    assert fragments.active(0) == [f == 0 for f in fragments.of_tensor]
+    assert fragments.active(3) == [f == 1 for f in fragments.of_tensor]
+    assert Fragments.of(sizes, 1).active(7) == [True] * 6
+    with pytest.raises(ValueError, match="more than the model's 6 tensors"):
+        Fragments.of(sizes, 7)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Fragments.of(sizes, 0)
+
+
+def test_fragments_refuse_overlap_with_a_message():
+    with pytest.raises(ConfigError, match="swarm.overlap=none"):
+        load_config(TINY, ["swarm.fragments=2", "swarm.overlap=eager"])
+
+
+def test_a_round_exchanges_its_fragment_and_the_others_keep_training(tmp_path):
+    """Round r sends Δ of fragment r mod F only (zeros elsewhere); its outer step moves that fragment's anchor and
+    momentum and puts θ there; the other tensors keep θ where their inner steps took it, and their Δ, sent on their
+    turn, spans every round since they were last exchanged. θ travels in the worker state for --resume."""
+    cfg = load_config(TINY, ["inner.steps=2", "train.rounds=4", "swarm.fragments=2", "swarm.compression=none"])
+    worker = Worker(cfg, 257, _batches(0))
+    first = worker.active()
+    assert sum(first) and not all(first)
+    start = [a.clone() for a in worker.state.anchor]
+
+    mine = worker.contribute()
+    assert all(bool(d.any()) == on for d, on in zip(mine.pseudo_grad, first))  # zeros off the fragment
+    theta = [p.detach().clone() for p in worker.model.parameters()]
+    info = ReduceInfo(group_size=1, complete=True, attempts=1, gathered=Gathered({"me": mine.payload}))
+    assert worker.settle(mine, mine.pseudo_grad, info, RoundRules()) is not None
+    for k, on in enumerate(first):
+        anchor, param = worker.state.anchor[k], next(p for i, p in enumerate(worker.model.parameters()) if i == k)
+        if on:
+            assert not torch.equal(anchor, start[k]) and torch.equal(param.detach(), anchor)
+        else:  # untouched: anchor, momentum, and θ where the inner steps left it
+            assert torch.equal(anchor, start[k]) and not bool(worker.state.momentum[k].any())
+            assert torch.equal(param.detach(), theta[k])
+
+    second = worker.active()
+    assert second == [not on for on in first]
+    mine = worker.contribute()  # the second fragment's Δ spans both rounds' inner steps
+    params = list(worker.model.parameters())
+    for k, on in enumerate(second):
+        expected = start[k] - params[k].detach() if on else torch.zeros_like(start[k])
+        assert torch.equal(mine.pseudo_grad[k], expected)
+
+    save_round(tmp_path, worker.state, worker_state=worker.local_state())
+    again = Worker(cfg, 257, _batches(0))
+    again.load_state(worker.state.copy())
+    again.restore_local_state(load_worker_state(latest_checkpoint(tmp_path)))
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(again.model.parameters(), params))
