@@ -184,7 +184,7 @@ def test_summary_headlines_targets_and_not_run(tmp_path):
     )  # the smoke case is left out
     assert many[2:] == ["1 state a round", "1 of 2", "2026-01-05 to 01-06"]
     assert "smoke_6 (14)" in text.split("## Detail", 1)[1]  # said where it was left out
-    assert len(rows) == 15  # items 1-14 and 8b, item 6 as one row while the GPU has not run
+    assert len(rows) == 16  # items 1-14, 8b and 8c, item 6 as one row while the GPU has not run
 
 
 def test_summary_reads_every_committed_result():

@@ -236,7 +236,9 @@ def run_case(
     assert rate is not None
     tag = f"{name}_{rate:g}mbit_{uuid.uuid4().hex[:6]}"
     dirs = [workdir / f"{tag}_peer{k}" for k in range(peers)]
-    overrides = [*sets, *swarm_overrides(h, rounds, peers)]
+    given = dict(s.split("=", 1) for s in sets if "=" in s)  # a setting may set its own H and rounds (fragments)
+    h, rounds = int(given.get("inner.steps", h)), int(given.get("train.rounds", rounds))
+    overrides = [*swarm_overrides(h, rounds, peers), *sets]
     env = single_thread_env()
     py = sys.executable
     t0 = time.monotonic()
