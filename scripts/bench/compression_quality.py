@@ -496,8 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     rec.data["tables_markdown"] = text
     rec.notes.append(
         f"{WORKERS} workers, p2p_diloco.simulate --mode diloco, equal tokens within a preset, the preset's outer "
-        "optimizer; final eval loss on data.eval_batches x data.batch_size rows per eval label (the preset "
-        "overrides). ratio = final eval loss / that of the blocking run without compression of the same seed. MB = "
+        f"optimizer (a top-k codec: {' '.join(SPARSE_OUTER)}; @F<n>: swarm.fragments n); final eval loss on "
+        "data.eval_batches x data.batch_size rows per eval label (the preset overrides). ratio = final eval loss / "
+        "that of the blocking run without compression of the same seed. MB = "
         "10^6 bytes sent per worker in the whole run (the simulator's count of the butterfly's payload with the "
         "case's codec). Wall seconds are this machine's, with --jobs runs side by side."
     )

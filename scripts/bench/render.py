@@ -43,7 +43,7 @@ ITEMS = [
     ("netlab", "7. Communication on shaped links"),
     ("compression_quality", "8. Quality per codec and overlap"),
     ("codecs", "8b. Quality of int4 and error feedback"),
-    ("sparse", "8c. Quality of the top-k codecs (equal tokens, 40 rounds x H 25)"),
+    ("sparse", "8c. Quality of the top-k codecs and fragments (equal tokens, 40 rounds x H 25)"),
     ("stragglers", "9. Uneven peers: one 3x slower"),
     ("join", "10. Joining: state download"),
     ("staleness", "11. A straggler's delayed pseudo-gradient (simulated)"),
@@ -52,8 +52,8 @@ ITEMS = [
 # an item whose script is not scripts/bench/<item>.py
 SCRIPTS = {
     "codecs": "compression_quality.py --codecs none int8 int4 int4+ef int8+ef --seeds 0 1 --out results/codecs.json",
-    "sparse": "compression_quality.py --preset tiny --rounds 40 --h 25 --codecs none int8 int4 topk3 topk1 --seeds 0 1 "
-    "--out results/sparse.json",
+    "sparse": "compression_quality.py --preset tiny --rounds 40 --h 25 --codecs none int8 int4 topk3 topk1 none@F4 "
+    "int8@F4 topk3@F4 topk1@F4 --seeds 0 1 --out results/sparse.json",
 }
 
 
