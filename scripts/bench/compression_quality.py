@@ -273,6 +273,7 @@ class Runner:
                 rounds=res["rounds"],
                 inner_steps=res["inner_steps"],
                 simulator_wall_seconds=round(res["wall_seconds"], 1),
+                aggregation=res.get("aggregation"),  # what the robust rule excluded or clipped over the run
             )
         else:
             rec.update(
