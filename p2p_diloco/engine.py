@@ -567,16 +567,20 @@ class Worker:
         decision = decide(mine.payload.tag, info.gathered, info.complete, rules, info.ahead)
         if decision.action is Action.LOCAL_STEP:
             averaged = mine.pseudo_grad  # whatever the group computed, a local step is our own
+        sent = self.fragments.active(mine.payload.tag.round) if self.fragments.count > 1 else None  # its fragment
         done = self._carry_out(decision, averaged, info, sync)
         if done is not None and mine.residual is not None:
-            if decision.action is Action.LOCAL_STEP:  # it applied the whole Δ sent: nothing is owed
-                self.residual = None
+            if decision.action is Action.LOCAL_STEP:  # it applied the whole Δ sent: nothing is owed for it
+                owed = mine.residual  # with fragments, the other fragments' residual still waits for their turn
+                self.residual = (
+                    None if sent is None else [r.mul(0) if on else r for r, on in zip(owed, sent, strict=True)]
+                )
             elif decision.counts:  # the Δ sent is in the group's mean: what the codec left out of it is owed
                 self.residual = mine.residual
         if done is None:
             # θ back to the (possibly downloaded) anchor: with fragments, the lost round's fragment only (a download
             # already put every tensor there)
-            self.state.copy_to(self.model.parameters(), self.active() if self.fragments.count > 1 else None)
+            self.state.copy_to(self.model.parameters(), sent)
             lost = RoundResult(self.state.round, mine.inner, info, self.tag_soon(), 0.0, None, decision.action)
             lost.lost_reason = decision.reason
             self.lost.append(lost)

@@ -77,3 +77,23 @@ def test_a_round_exchanges_its_fragment_and_the_others_keep_training(tmp_path):
     again.load_state(worker.state.copy())
     again.restore_local_state(load_worker_state(latest_checkpoint(tmp_path)))
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(again.model.parameters(), params))
+
+
+def test_a_fragment_keeps_what_it_owes_while_the_others_take_their_turns():
+    """Error feedback with fragments (topk3): a round adds the residual to its own fragment only, and the residual of
+    the others waits for their turn; a local step clears what its fragment owed, not the others'."""
+    cfg = load_config(TINY, ["inner.steps=2", "train.rounds=4", "swarm.fragments=2", "swarm.compression=topk3"])
+    worker = Worker(cfg, 257, _batches(1))
+    first = worker.active()
+    mine = worker.contribute()
+    info = ReduceInfo(group_size=1, complete=True, attempts=1, gathered=Gathered({"me": mine.payload}))
+    assert worker.settle(mine, mine.pseudo_grad, info, RoundRules()) is not None
+    owed_first = [r.clone() for r in worker.residual]
+    assert all(bool(r.any()) == on for r, on in zip(owed_first, first))  # owed only where it sent
+
+    mine = worker.contribute()  # the other fragment's turn: the first one's residual is not added, nor spent
+    assert all(torch.equal(d, torch.zeros_like(d)) for d, on in zip(mine.pseudo_grad, first) if on)
+    alone = ReduceInfo(group_size=1, complete=False, attempts=1, gathered=Gathered({"me": mine.payload}))
+    assert worker.settle(mine, mine.pseudo_grad, alone, RoundRules()) is not None  # a local step
+    for r, before, on in zip(worker.residual, owed_first, first):
+        assert torch.equal(r, before) if on else not bool(r.any())
