@@ -22,11 +22,12 @@ of a Gaussian part's norm, against int8's ~0.5%), two codes a byte, the low nibb
 travels in the same codec.
 
 The top-k codecs (``SPARSE``: topk1, topk3 send 1% and 3% of each part's values; engine.py always runs them with
-error feedback, which carries the rest into later rounds, as SparseLoCo, arXiv 2508.15706): the part's k largest
-magnitudes, each in 2 bits (its sign and the nearer of two magnitudes, the means of the kept magnitudes up to and
-above their median), their positions as byte gaps (a gap of 255 or more takes escape bytes): ~1.25 bytes a value
-sent. A group's mean of top-k parts holds the union of the senders' positions; it travels as ``sparse8`` (its
-nonzeros in int8, with their positions), so a reducer never drops what a sender sent.
+error feedback, which carries the rest into later rounds, as SparseLoCo, arXiv 2508.15706): the largest magnitudes of
+each chunk of ``TOPK_CHUNK`` values of the part (its share of each chunk, at least one), each in 2 bits (its sign
+and the nearer of two magnitudes, the means of the kept magnitudes up to and above their median), their positions as
+byte gaps (a gap of 255 or more takes escape bytes): ~1.25 bytes a value sent. A group's mean of top-k parts holds
+the union of the senders' positions; it travels as ``sparse8`` (its nonzeros in int8, with their positions), so a
+reducer never drops what a sender sent.
 
 Any codec writes a part of zeros as no bytes (and decodes no bytes as zeros): the tensors a round of streaming
 fragments leaves out (fragments.py) cost nothing. Decoding is the same IEEE operations on every peer: all receivers of
@@ -44,7 +45,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "CODECS", "DENSE", "INT4_BLOCK", "SPARSE", "Codec", "CodecError", "get_codec", "roundtrip_parts"]
+__all__ = [
+    "BLOCK",
+    "CODECS",
+    "DENSE",
+    "INT4_BLOCK",
+    "SPARSE",
+    "TOPK_CHUNK",
+    "Codec",
+    "CodecError",
+    "get_codec",
+    "roundtrip_parts",
+]
 
 BLOCK = 128  # int8: values per absmax scale (3% overhead: 1.03 bytes per value)
 INT4_BLOCK = 64  # int4: values per absmax scale (0.5625 bytes per value: 7.1x fewer than fp32)
@@ -195,9 +207,30 @@ def _int4_decode(scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torc
     return _absmax_values(scales, nibbles.to(torch.float32) - 8.0, numel, INT4_BLOCK)
 
 
-def _topk_count(numel: int, density: float) -> int:
-    """How many values of a part of ``numel`` a top-k codec sends: ``density`` of them, at least one."""
+def _chunk_count(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(density * numel)))
+
+
+def _topk_count(numel: int, density: float) -> int:
+    """How many values of a part of ``numel`` a top-k codec sends: ``density`` of each chunk of ``TOPK_CHUNK``
+    values (the last one shorter), at least one a chunk."""
+    full, rest = divmod(numel, TOPK_CHUNK)
+    return full * _chunk_count(TOPK_CHUNK, density) + (_chunk_count(rest, density) if rest else 0)
+
+
+def _topk_indices(flat: torch.Tensor, density: float) -> torch.Tensor:
+    """The positions of each chunk's largest magnitudes (``_topk_count`` in all), ascending (int64)."""
+    numel = flat.numel()
+    full = numel // TOPK_CHUNK
+    out = []
+    if full:
+        rows = flat[: full * TOPK_CHUNK].abs().view(full, TOPK_CHUNK)
+        top = torch.topk(rows, _chunk_count(TOPK_CHUNK, density), dim=1, sorted=False).indices
+        out.append((top + torch.arange(full).unsqueeze(1) * TOPK_CHUNK).view(-1))
+    if numel > full * TOPK_CHUNK:
+        rest = flat[full * TOPK_CHUNK :].abs()
+        out.append(torch.topk(rest, _chunk_count(rest.numel(), density), sorted=False).indices + full * TOPK_CHUNK)
+    return torch.cat(out).sort().values
 
 
 def _gaps_encode(indices: np.ndarray) -> bytes:
@@ -230,7 +263,7 @@ def _topk_encode(flat: torch.Tensor, density: float) -> bytes:
     gaps (``_gaps_encode``)."""
     numel = flat.numel()
     k = _topk_count(numel, density)
-    indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+    indices = _topk_indices(flat, density)
     values = flat[indices]
     magnitudes = values.abs()
     median = magnitudes.kthvalue((k + 1) // 2).values
@@ -287,6 +320,7 @@ def _nonzeros_decode(data: bytes, numel: int) -> torch.Tensor:
 
 DENSE = ("none", "fp16", "bf16", "int8", "int4")
 SPARSE = {"topk1": 0.01, "topk3": 0.03}  # a top-k codec: the share of each part's values it sends
+TOPK_CHUNK = 4096  # a top-k codec keeps its share of each chunk of this many values of a part, as SparseLoCo does
 MEAN_OF_SPARSE = "sparse8"  # the codec of a group's mean of top-k parts (Codec.mean); not a choice of its own
 CODECS = (*DENSE, *SPARSE)
 

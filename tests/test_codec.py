@@ -7,7 +7,18 @@ import math
 import pytest
 import torch
 
-from p2p_diloco.codec import BLOCK, CODECS, DENSE, INT4_BLOCK, SPARSE, Codec, CodecError, get_codec, roundtrip_parts
+from p2p_diloco.codec import (
+    BLOCK,
+    CODECS,
+    DENSE,
+    INT4_BLOCK,
+    SPARSE,
+    TOPK_CHUNK,
+    Codec,
+    CodecError,
+    get_codec,
+    roundtrip_parts,
+)
 from p2p_diloco.swarm.butterfly import WireCodec
 
 
@@ -116,12 +127,19 @@ def test_compressed_sizes_per_value():
 
 @pytest.mark.parametrize("name", list(SPARSE))
 def test_top_k_sends_the_largest_magnitudes_with_their_signs_in_two_levels(name):
+    """Each chunk of TOPK_CHUNK values (the last one shorter) keeps its own share: 5000 values are chunks of 4096 and
+    904."""
     part = _part(5000, 7)
     out = Codec(name).roundtrip(part)
-    k = math.ceil(SPARSE[name] * 5000)
+    density = SPARSE[name]
     sent = out.nonzero().view(-1)
-    assert sent.numel() == k
-    assert set(sent.tolist()) == set(part.abs().topk(k).indices.tolist())  # exactly the k largest magnitudes
+    chunks = [(0, TOPK_CHUNK), (TOPK_CHUNK, 5000)]
+    expected = set()
+    for start, end in chunks:  # exactly each chunk's largest magnitudes
+        top = part[start:end].abs().topk(math.ceil(density * (end - start))).indices + start
+        expected |= set(top.tolist())
+    assert sent.numel() == len(expected) == math.ceil(density * 4096) + math.ceil(density * 904)
+    assert set(sent.tolist()) == expected
     assert torch.equal(out[sent].sign(), part[sent].sign())
     levels = sorted(set(out[sent].abs().tolist()))
     assert len(levels) == 2 and levels[0] < levels[1]  # 2 bits a value: a sign and one of two magnitudes
@@ -177,7 +195,7 @@ def test_sparse_bytes_that_are_no_encoding_are_refused():
     last = _part(numel)
     last[-1] = 1.0  # the largest value, sent at the last position
     with pytest.raises(CodecError, match="past the part"):
-        codec.decode(codec.encode(last), numel - 50)  # the same k of fewer values: the position is past them
+        codec.decode(codec.encode(last), numel - 10)  # the same k of fewer values: the position is past them
     bad = bytearray(data)
     bad[4:8] = torch.tensor([float("nan")]).numpy().tobytes()
     with pytest.raises(CodecError, match="magnitudes"):
