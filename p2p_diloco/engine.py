@@ -168,9 +168,9 @@ def sparse_advice(cfg: Config) -> str | None:
         return None
     return (
         f"swarm.compression={cfg.swarm.compression} with outer.momentum={cfg.outer.momentum}: in the simulator this "
-        "ended far above fp32 DiLoCo's loss (tiny, topk1 and topk3: 1.32x to 1.69x); the error feedback is the "
-        "momentum: set outer.momentum=0 outer.lr=1 outer.lr_warmup_rounds=0 swarm.feedback_decay=0.95 "
-        "(docs/compression.md)"
+        "ended far above fp32 DiLoCo's loss (tiny, topk1 and topk3 selecting per part: 1.32x to 1.69x); the error "
+        "feedback is the momentum: set outer.momentum=0 outer.lr=1 outer.lr_warmup_rounds=0 "
+        "swarm.feedback_decay=0.95 (docs/compression.md)"
     )
 
 
