@@ -161,7 +161,7 @@ class Codec:
         """(``roundtrip(part)``, the bytes of its encoding)."""
         if self.name == "none":
             out = part.detach().to("cpu", torch.float32).clone()
-            return out, 4 * part.numel() if bool(out.any()) else 0
+            return out, _fp32_size(out)
         data = self.encode(part)
         return self.decode(data, part.numel()).view(part.shape), len(data)
 
@@ -205,6 +205,11 @@ def _int4_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int4_decode(scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
     nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)
     return _absmax_values(scales, nibbles.to(torch.float32) - 8.0, numel, INT4_BLOCK)
+
+
+def _fp32_size(part: torch.Tensor) -> int:
+    """The bytes of ``none``'s encoding of ``part``: 4 a value, none for a part of zeros."""
+    return 4 * part.numel() if bool(part.any()) else 0
 
 
 def _chunk_count(numel: int, density: float) -> int:
@@ -261,9 +266,8 @@ def _topk_encode(flat: torch.Tensor, density: float) -> bytes:
     ``low`` and ``high``, the means of the kept magnitudes up to their median and above it. Layout: k (uint32), low,
     high (fp32), the 2-bit codes four a byte (the first in the low bits; bit 0 the sign, bit 1 high), the positions'
     gaps (``_gaps_encode``)."""
-    numel = flat.numel()
-    k = _topk_count(numel, density)
     indices = _topk_indices(flat, density)
+    k = indices.numel()  # _topk_count(numel, density)
     values = flat[indices]
     magnitudes = values.abs()
     median = magnitudes.kthvalue((k + 1) // 2).values
@@ -345,7 +349,7 @@ def roundtrip_parts(
         if codec.name == "none":
             out.append(flat.clone().view(tensor.shape))
             if sizes is not None:
-                sizes.append(sum(codec.roundtrip_sized(part)[1] for part in flat.split(part_values)))
+                sizes.append(sum(_fp32_size(part) for part in flat.split(part_values)))
             continue
         parts = [codec.roundtrip_sized(part) for part in flat.split(part_values)]
         if sizes is not None:

@@ -83,12 +83,9 @@ class WireCodec(CompressionBase):
 
     def __init__(self, codec: Codec):
         self.codec = codec
-
-    @property
-    def means(self) -> WireCodec:
-        """The wire of a group's or a round's mean of a part (``Codec.mean``: a top-k codec's means keep every
-        nonzero); this wire itself for a dense codec."""
-        return self if self.codec.mean == self.codec else WireCodec(self.codec.mean)
+        # the wire of a group's or a round's mean of a part (``Codec.mean``: a top-k codec's means keep every
+        # nonzero); this wire itself for a dense codec
+        self.means: WireCodec = self if codec.mean == codec else WireCodec(codec.mean)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False) -> Any:
         return runtime_pb2.Tensor(
