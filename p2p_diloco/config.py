@@ -173,8 +173,9 @@ class SwarmConfig:
     # Streaming fragments (p2p_diloco/fragments.py, Streaming DiLoCo): the model's tensors in F fragments of about equal
     # size; each round exchanges one of them in turn (round mod F), whose Δ spans the F rounds since it was last
     # exchanged, so a round sends 1/F of the model: set inner.steps to H / F to keep each fragment's period at H.
-    # The other tensors go on training and their outer state waits for their turn. Part of the fingerprint. Blocking
-    # rounds only (swarm.overlap none). 1 (the whole model every round) by default: see docs/compression.md.
+    # The other tensors go on training and their outer state waits for their turn. Part of the fingerprint. With
+    # swarm.overlap eager, a fragment's exchange runs behind the next round's inner steps (Streaming DiLoCo's
+    # schedule). 1 (the whole model every round) by default: see docs/compression.md.
     fragments: int = 1
     # none: the peer waits for the round's all-reduce | eager: it sends Δ and goes on at once from the look-ahead
     # (the outer step with its own Δ, on a copy); after overlap_steps inner steps it settles the group's Δ̄ exactly
@@ -386,12 +387,6 @@ def _check_ranges(cfg: Config) -> None:
     )
     need(0 <= s.overlap_carry <= 1, "swarm.overlap_carry", s.overlap_carry, "in [0, 1]")
     need(s.fragments >= 1, "swarm.fragments", s.fragments, ">= 1")
-    need(
-        s.fragments == 1 or s.overlap == "none",
-        "swarm.fragments",
-        s.fragments,
-        f"1 with swarm.overlap {s.overlap} (fragments run blocking rounds: set swarm.overlap=none)",
-    )
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
     need(

@@ -29,6 +29,9 @@ synchronisation is in flight and merges the local parameters with the synchronis
 0, or with the group's Δ̄ for the look-ahead, it would be the blocking round.
 delayed: as eager, but round t+1's inner steps start from x_{t-1}, the anchor as it is (no look-ahead), and Δ̄_t is
 applied when settled: with τ = H, one round late (the baseline that eager updates improve on, arXiv 2502.12996).
+With ``swarm.fragments`` (fragments.py) the look-ahead and the carry are the fragment's that was sent: the other
+tensors train on from θ as it is, their outer state not moving that round (Streaming DiLoCo's schedule: each
+fragment's exchange behind the next round's inner steps).
 ``launch`` sends Δ, tagged with the state it was measured from (the one its Δ̄ is applied to). The outer state, its
 checksum, the vote, catch-up, resync and checkpoints see only the replicated state, so they work as without
 overlap; after a download (``load_state``) while an exchange is in flight, the steps taken from the downloaded
@@ -320,7 +323,16 @@ class Worker:
         if self.residual is not None:
             out["residual"] = [r.clone() for r in self.residual]
         if self.fragments.count > 1:
-            out["params"] = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
+            params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
+            if self.pending is not None and self.start is not None:
+                # the fragment in flight as a lost exchange leaves it (``drain``): its steps since the launch carried
+                # onto the anchor, which a resumed peer exchanges again
+                sent, carry = self.fragments.active(self.pending.mine.payload.tag.round), self.cfg.swarm.overlap_carry
+                params = [
+                    a.add(p.sub(s), alpha=carry) if on else p
+                    for p, s, a, on in zip(params, self.start, self.state.anchor, sent, strict=True)
+                ]
+            out["params"] = params
             out["params_round"] = self.state.round
         return out
 
@@ -665,6 +677,12 @@ class Worker:
         else:
             lr = self.outer_lr(self.state.round)
             self.start = self.state.ahead(mine.pseudo_grad, lr, outer.momentum, outer.nesterov)
+        if self.fragments.count > 1:  # the tensors this round does not exchange go on from where θ has them
+            with torch.no_grad():
+                self.start = [
+                    x if on else p.detach().to("cpu", torch.float32).clone()
+                    for x, p, on in zip(self.start, self.model.parameters(), self.active(), strict=True)
+                ]
         self.reset_params()
         self.pending = Pending(mine, send(mine))
         return mine
@@ -691,7 +709,10 @@ class Worker:
                 for p, s in zip(params, self.start, strict=True)
             ]
         self.start = None
-        result = None
+        result, before = None, self.state
+        # with fragments, the fragment sent is put on the settled anchor; the others keep θ as it is (their outer state
+        # did not move), unless a download replaced the state: then every tensor is carried onto the one downloaded
+        fragment = self.fragments.active(pending.mine.payload.tag.round) if self.fragments.count > 1 else None
         try:
             started = time.monotonic()
             averaged, info = pending.result.result()
@@ -716,10 +737,12 @@ class Worker:
             else:
                 result = self.settle(pending.mine, averaged, info, rules, sync, eval_sets)
         finally:
-            self.state.copy_to(params)
+            only = fragment if self.state is before else None
+            self.state.copy_to(params, only)
             with torch.no_grad():
-                for p, d in zip(params, drift, strict=True):
-                    p.add_(d.to(p.device), alpha=carry)
+                for k, (p, d) in enumerate(zip(params, drift, strict=True)):
+                    if only is None or only[k]:
+                        p.add_(d.to(p.device), alpha=carry)
         return result
 
     def _adapt(self, pending: Pending, started: float, waited: float) -> None:

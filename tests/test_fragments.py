@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_worker_state, save_round
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.engine import ReduceInfo, Worker
+from p2p_diloco.engine import Contribution, ReduceInfo, Worker
 from p2p_diloco.fragments import Fragments
 from p2p_diloco.protocol import Gathered, RoundRules
 
@@ -36,9 +37,63 @@ def test_fragments_hold_about_equal_values_and_take_turns():
         Fragments.of(sizes, 0)
 
 
-def test_fragments_refuse_overlap_with_a_message():
-    with pytest.raises(ConfigError, match="swarm.overlap=none"):
-        load_config(TINY, ["swarm.fragments=2", "swarm.overlap=eager"])
+def test_fragments_refuse_more_fragments_than_tensors_with_a_message():
+    with pytest.raises(ConfigError, match="swarm.fragments"):
+        load_config(TINY, ["swarm.fragments=0"])
+
+
+def _alone(mine: Contribution) -> Future:
+    """The exchange of a group of one, done: its mean is the Δ sent."""
+    done = Future()
+    info = ReduceInfo(group_size=1, complete=True, attempts=1, gathered=Gathered({"me": mine.payload}))
+    done.set_result(([d.clone() for d in mine.pseudo_grad], info))
+    return done
+
+
+def test_eager_overlap_carries_the_fragment_sent_and_leaves_the_others_training(tmp_path):
+    """Eager with fragments: the round's exchange runs behind the next inner steps; the look-ahead moves the fragment
+    sent only (the others go on from θ as it is); the drain puts the fragment sent on the settled anchor plus
+    overlap_carry of the steps since, and leaves the others' θ where their steps took it, so the next fragment's Δ
+    spans every step since the start. A checkpoint with the exchange in flight holds the fragment sent as a lost
+    exchange would leave it (the anchor plus the carried steps), the others as they are."""
+    cfg = load_config(
+        TINY,
+        ["inner.steps=4", "train.rounds=4", "swarm.fragments=2", "swarm.compression=none", "swarm.overlap=eager"]
+        + ["swarm.overlap_steps=2", "swarm.overlap_carry=0.5"],
+    )
+    worker = Worker(cfg, 257, _batches(2))
+    first, start = worker.active(), [a.clone() for a in worker.state.anchor]
+    mine = worker.contribute()
+    theta = [p.detach().clone() for p in worker.model.parameters()]
+    worker.launch(mine, _alone)
+    ahead = worker.state.ahead(mine.pseudo_grad, worker.outer_lr(0), cfg.outer.momentum, cfg.outer.nesterov)
+    for k, (p, on) in enumerate(zip(worker.model.parameters(), first)):
+        assert torch.equal(p.detach(), ahead[k] if on else theta[k])  # the look-ahead: the fragment sent only
+
+    saved = worker.local_state()  # in flight: the fragment sent as a lost exchange would leave it
+    for k, (x, on) in enumerate(zip(saved["params"], first)):
+        assert torch.equal(x, start[k] if on else theta[k])
+
+    at_drain: list[list[torch.Tensor]] = []
+
+    def drain() -> None:
+        at_drain.append([p.detach().clone() for p in worker.model.parameters()])
+        worker.drain(RoundRules())
+        at_drain.append([p.detach().clone() for p in worker.model.parameters()])
+
+    second = worker.contribute(drain=drain)
+    assert worker.state.round == 1 and second.payload.tag.round == 1
+    before, after = at_drain
+    for k, on in enumerate(first):
+        if on:  # on the settled anchor, with half of the 2 steps taken from the look-ahead
+            expected = worker.state.anchor[k] + 0.5 * (before[k] - ahead[k])
+            assert torch.allclose(after[k], expected, atol=1e-6)
+        else:  # untouched by the drain
+            assert torch.equal(after[k], before[k])
+    params = list(worker.model.parameters())
+    for k, on in enumerate(worker.active()):  # the second fragment: Δ over all 8 of its steps since the start
+        expected = start[k] - params[k].detach() if on else torch.zeros_like(start[k])
+        assert torch.equal(second.pseudo_grad[k], expected)
 
 
 def test_a_round_exchanges_its_fragment_and_the_others_keep_training(tmp_path):

@@ -104,9 +104,9 @@ def finish(procs, timeout: float) -> None:
         ("none", "eager", 1e-5),
         ("none", "delayed", 1e-5),
         ("topk3", "eager", 4e-3),
-        ("topk1@F2", "none", 4e-3),
+        ("topk1@F2", "eager", 4e-3),
     ],
-    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "topk3-eager", "topk1-fragments2"],
+    ids=["fp32-blocking", "fp32-eager", "fp32-delayed", "topk3-eager", "topk1-fragments2-eager"],
 )
 def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, compression, overlap, tolerance):
     """Bitwise agreement of every member every round, bytes as the codec encodes them, and the simulator's result.
@@ -118,7 +118,8 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     part in 2 bits, the means of the parts as their nonzeros in int8) runs with error feedback, as a top-k codec
     always does: each peer's residual is its own, kept from its own Δ. Its bytes depend on the data: the swarm's
     are compared with the simulator's measure of the same rounds. ``@F2``: swarm.fragments 2 (rounds 1 and 3
-    exchange one half of the model's tensors, round 2 the other)."""
+    exchange one half of the model's tensors, round 2 the other), each fragment's exchange behind the next round's
+    inner steps (eager)."""
     boot, initial = start_bootstrap(spawn)
     rounds = [  # swarm.target_group_size as the preset has it (16): the group forms once the 3 live peers are in
         "train.rounds=3",

@@ -25,7 +25,8 @@ With ``--codecs``, the plan is instead each listed codec, blocking, at every see
 error feedback always) runs with ``SPARSE_OUTER``, the outer step engine.sparse_advice names (``--set`` after it
 overrides it: ``--set outer.momentum=0.9`` for DiLoCo's). ``@F<n>`` after a codec runs it with streaming fragments
 (``swarm.fragments`` n, fragments.py: a round exchanges 1/n of the model; at the same H each fragment's period is
-n x H).
+n x H); ``--eager`` runs each listed codec also with eager overlap at τ_rec (with fragments: each fragment's exchange
+behind the next round's first τ inner steps, Streaming DiLoCo's schedule).
 τ_rec is ``--tau-rec`` (default 10; the simulator's exchange takes no time, so a case sets τ: the swarm's default
 ``swarm.overlap_steps`` 0 adapts it to the measured exchange). Each case's final eval loss is compared with
 the blocking none run of the same preset and seed ("ratio"); the seeds table gives each combination's mean ratio. A
@@ -161,9 +162,11 @@ def plan(preset: str, taus: list[int], tau_rec: int, seeds: list[int], delayed: 
     return out
 
 
-def codec_plan(preset: str, codecs: list[str], seeds: list[int]) -> list[Case]:
-    """``--codecs``: each codec (``+ef``: with error feedback) blocking, at every seed."""
-    return [Case(preset, c, "none", 0, seed, "codec") for seed in seeds for c in codecs]
+def codec_plan(preset: str, codecs: list[str], seeds: list[int], eager: int = 0) -> list[Case]:
+    """``--codecs``: each codec (``+ef``: with error feedback) blocking, at every seed; ``eager``: τ, to run each also
+    with eager overlap (0: blocking only)."""
+    overlaps = [("none", 0), *([("eager", eager)] if eager else [])]
+    return [Case(preset, c, o, tau, seed, "codec") for seed in seeds for c in codecs for o, tau in overlaps]
 
 
 # a top-k codec runs with the outer step its advice names (engine.sparse_advice): its error feedback is the momentum
@@ -372,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", action="store_true", help="keep the finished cases of the --out file that have the same settings"
     )
     p.add_argument("--delayed", action="store_true", help="also the delayed overlap cases (module doc)")
+    p.add_argument("--eager", action="store_true", help="with --codecs: each codec also eager at τ_rec")
     p.add_argument("--codecs", nargs="+", type=codec_label, default=None, help="only these codecs, blocking")
     p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
     args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
@@ -401,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         queue = [Case("tiny", "none", "none", 0, 0, "codec"), Case("tiny", "int8", "eager", 2, 0, "tau")]
     elif args.codecs:
         order = sorted(args.preset, key=lambda n: n != "small")
-        queue = [c for preset in order for c in codec_plan(preset, args.codecs, settings[preset]["seeds"])]
+        eager = tau_rec if args.eager else 0
+        queue = [c for preset in order for c in codec_plan(preset, args.codecs, settings[preset]["seeds"], eager)]
     else:  # the longest runs first (small), so that the short ones fill the end
         queue = [
             c
