@@ -157,6 +157,7 @@ class Pending:
     launched: float = field(default_factory=time.monotonic)
     steps: int = 0  # inner steps taken since it was sent
     finished: float | None = None  # when its result came (time.monotonic)
+    state: OuterState | None = None  # the outer state it was sent from (the object: a download replaces it)
 
     def __post_init__(self) -> None:
         self.result.add_done_callback(lambda _: setattr(self, "finished", time.monotonic()))
@@ -684,7 +685,7 @@ class Worker:
                     for x, p, on in zip(self.start, self.model.parameters(), self.active(), strict=True)
                 ]
         self.reset_params()
-        self.pending = Pending(mine, send(mine))
+        self.pending = Pending(mine, send(mine), state=self.state)
         return mine
 
     def drain(
@@ -709,9 +710,9 @@ class Worker:
                 for p, s in zip(params, self.start, strict=True)
             ]
         self.start = None
-        result, before = None, self.state
+        result = None
         # with fragments, the fragment sent is put on the settled anchor; the others keep θ as it is (their outer state
-        # did not move), unless a download replaced the state: then every tensor is carried onto the one downloaded
+        # did not move), unless a download replaced the state since the launch: then every tensor is carried onto it
         fragment = self.fragments.active(pending.mine.payload.tag.round) if self.fragments.count > 1 else None
         try:
             started = time.monotonic()
@@ -737,7 +738,7 @@ class Worker:
             else:
                 result = self.settle(pending.mine, averaged, info, rules, sync, eval_sets)
         finally:
-            only = fragment if self.state is before else None
+            only = fragment if self.state is pending.state else None
             self.state.copy_to(params, only)
             with torch.no_grad():
                 for k, (p, d) in enumerate(zip(params, drift, strict=True)):

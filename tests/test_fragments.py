@@ -152,3 +152,32 @@ def test_a_fragment_keeps_what_it_owes_while_the_others_take_their_turns():
     assert worker.settle(mine, mine.pseudo_grad, alone, RoundRules()) is not None  # a local step
     for r, before, on in zip(worker.residual, owed_first, first):
         assert torch.equal(r, before) if on else not bool(r.any())
+
+
+def test_a_download_while_a_fragment_is_in_flight_carries_every_tensor_onto_the_state_downloaded():
+    """Eager with fragments, a state downloaded while the exchange is in flight (a resync, a catch-up): the drain drops
+    the group's result (it belongs to the state replaced), counts the round lost, and puts every tensor on the
+    downloaded anchor plus overlap_carry of the steps taken since the download."""
+    cfg = load_config(
+        TINY,
+        ["inner.steps=4", "train.rounds=4", "swarm.fragments=2", "swarm.compression=none", "swarm.overlap=eager"]
+        + ["swarm.overlap_steps=2", "swarm.overlap_carry=0.5"],
+    )
+    worker, donor = Worker(cfg, 257, _batches(3)), Worker(cfg, 257, _batches(4))
+    donor.apply_outer([torch.full_like(a, 0.01) for a in donor.state.anchor])
+    worker.launch(worker.contribute(), _alone)
+    downloaded = donor.state.copy()
+    worker.load_state(downloaded)  # every tensor at the downloaded anchor, the steps from here on carried
+    at_drain: list[list[torch.Tensor]] = []
+
+    def drain() -> None:
+        at_drain.append([p.detach().clone() for p in worker.model.parameters()])
+        assert worker.drain(RoundRules()) is None
+        at_drain.append([p.detach().clone() for p in worker.model.parameters()])
+
+    worker.contribute(drain=drain)
+    assert worker.state is downloaded and worker.state.round == 1
+    assert [r.lost_reason for r in worker.take_lost()] == ["the outer state changed while its exchange was in flight"]
+    before, after = at_drain
+    for k, anchor in enumerate(downloaded.anchor):
+        assert torch.allclose(after[k], anchor + 0.5 * (before[k] - anchor), atol=1e-6)
