@@ -233,6 +233,11 @@ class SwarmConfig:
     # Closed run: a file of allowed public keys (`run_peer --print-public-key`), one a line. Unlisted peers never
     # share a group with listed ones, get no state from them, and the monitor ignores their records. None: open.
     authorized_keys: str | None = None
+    # Identity work (swarm/identity.py): only keys whose peer id hashes to this many leading zero bits are let in
+    # (groups, state downloads, vouches, records); a peer grinds such a key when it makes its identity file: about
+    # 2**N RSA key generations (~0.05-0.2 s each on one core: N 10 is ~1-3 minutes, once per key). It makes every Sybil
+    # key cost that much CPU time; it does not bound an attacker with the time to spend. 0: any key.
+    identity_work: int = 0
 
 
 @dataclass
@@ -387,6 +392,7 @@ def _check_ranges(cfg: Config) -> None:
     )
     need(0 <= s.overlap_carry <= 1, "swarm.overlap_carry", s.overlap_carry, "in [0, 1]")
     need(s.fragments >= 1, "swarm.fragments", s.fragments, ">= 1")
+    need(0 <= s.identity_work <= 32, "swarm.identity_work", s.identity_work, "in [0, 32] bits")
     need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
     need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
     need(

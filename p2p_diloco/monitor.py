@@ -48,7 +48,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -400,7 +400,7 @@ class Monitor:
         rejects: RejectCounter | None = None,
         console: ConsoleView | None = None,
         stop: threading.Event | None = None,
-        authorized: frozenset[str] | None = None,
+        authorized: Container[str] | None = None,
         samples: Samples | None = None,
     ) -> None:
         self.dht, self.run_id, self.interval, self.rejects = dht, run_id, interval, rejects

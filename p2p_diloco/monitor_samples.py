@@ -36,7 +36,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import torch
@@ -137,15 +137,15 @@ class StateSampler:
         cls,
         dht: DHT,
         cfg: Config,
-        authorized: frozenset[str] | None = None,
+        authorized: Container[str] | None = None,
         **kw: Any,
     ) -> StateSampler:
         """The run's data (for its tokenizer and fingerprint), its model on the CPU, the fingerprint, a reader of the
         run's announcements and a client-mode averager on ``dht``; raises at once what a peer's start would."""
         if authorized is not None:
             raise SwarmSetupError(
-                "no samples in a closed run: peers serve their state only to listed peers, and the monitor has no "
-                "listed key"
+                "no samples in a closed run or one with swarm.identity_work: peers serve their state only to "
+                "admitted keys (listed, or carrying the work), and the monitor has none"
             )
         data = DataPipeline(cfg.data, cfg.seed)
         # the peers' own build: with model.pretrained its weights are in the fingerprint (model.weights_digest)

@@ -52,7 +52,7 @@ from p2p_diloco.swarm.dht import (
     shutdown_dht,
     start_dht,
 )
-from p2p_diloco.swarm.identity import IdentityError, read_authorized_keys
+from p2p_diloco.swarm.identity import Admission, IdentityError, read_authorized_keys
 from p2p_diloco.swarm.reader import RejectCounter
 from p2p_diloco.swarm.validators import make_validators
 
@@ -139,12 +139,13 @@ def run_config(args: argparse.Namespace) -> Config | None:
     return load_config(args.config, [*args.overrides, *run_id])
 
 
-def run_settings(args: argparse.Namespace, cfg: Config | None) -> tuple[str, frozenset[str] | None]:
-    """(run id, authorized peer ids or None) from the flags and ``cfg`` (run_config's). Raises IdentityError."""
+def run_settings(args: argparse.Namespace, cfg: Config | None) -> tuple[str, Admission | None]:
+    """(run id, whose records count: None for any peer's) from the flags and ``cfg`` (run_config's): a closed run's
+    listed keys, and ``swarm.identity_work``. Raises IdentityError."""
     swarm = cfg.swarm if cfg is not None else SwarmConfig()
     run_id = args.run_id if args.run_id is not None else swarm.run_id
     keys = args.authorized_keys if args.authorized_keys is not None else swarm.authorized_keys
-    return run_id, read_authorized_keys(keys) if keys is not None else None
+    return run_id, Admission.of(read_authorized_keys(keys) if keys is not None else None, swarm.identity_work)
 
 
 def check_sample_flags(args: argparse.Namespace) -> str | None:

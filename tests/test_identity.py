@@ -1,5 +1,5 @@
 """A peer's identity (swarm/identity.py): the key file p2pd reads, the peer id it stands for, signatures, the
-authorized_keys file of a closed run, and what run_peer says to a peer such a run does not list."""
+authorized_keys file of a closed run, what run_peer says to a peer such a run does not list, and identity work."""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import PeerID
 
-from p2p_diloco.swarm.identity import Identity, IdentityError, owner_of, peer_id_of, read_authorized_keys, verify
+from p2p_diloco.swarm.identity import (
+    Admission,
+    Identity,
+    IdentityError,
+    owner_of,
+    peer_id_of,
+    read_authorized_keys,
+    verify,
+    work_bits,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,3 +111,39 @@ def test_print_public_key_and_an_unlisted_peer_is_told_what_to_send(tmp_path):
     assert "is closed" in refused.stderr and public_key in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
     print(refused.stderr.strip().splitlines()[-3:])
+
+
+def test_identity_work_is_ground_into_a_new_key_and_checked_on_an_old_one(tmp_path):
+    """swarm.identity_work N: a key made for such a run carries at least N bits (about 2**N key generations); an
+    existing key without them is refused by name with what to do; an Admission lets in only keys with the work (and
+    the listed ones, in a closed run)."""
+    worked = Identity.load(tmp_path / "worked.key", work=3)
+    assert work_bits(worked.peer_id) >= 3
+    assert Identity.load(tmp_path / "worked.key", work=3).peer_id == worked.peer_id  # read again, not ground again
+    plain = next(i for i in (Identity.load(tmp_path / f"plain{k}.key") for k in range(64)) if work_bits(i.peer_id) < 3)
+    with pytest.raises(IdentityError, match=r"carries \d bits of identity work .* swarm.identity_work=3: point"):
+        Identity.load(plain.path, work=3)
+    assert work_bits(None) == 0 and work_bits(b"bytes") == 0 and work_bits("") >= 0
+
+    admission = Admission.of(None, 3)
+    assert worked.peer_id in admission and plain.peer_id not in admission
+    closed = Admission.of(frozenset({plain.peer_id}), 0)
+    assert plain.peer_id in closed and worked.peer_id not in closed
+    both = Admission.of(frozenset({plain.peer_id, worked.peer_id}), 3)
+    assert worked.peer_id in both and plain.peer_id not in both  # listed, but without the work
+    assert Admission.of(None, 0) is None  # an open run without work asks nothing
+
+
+def test_a_run_with_identity_work_says_what_is_wrong_with_the_key_given(tmp_path):
+    """run_peer with --identity-path at a key without the run's work: exit 2, the reason named, no traceback."""
+    plain = next(i for i in (Identity.load(tmp_path / f"p{k}.key") for k in range(64)) if work_bits(i.peer_id) < 4)
+    out = subprocess.run(
+        [sys.executable, "-m", "peers.run_peer", "--config", str(ROOT / "configs" / "tiny.yaml")]
+        + ["--identity-path", plain.path, "--log-dir", str(tmp_path / "run"), "--set", "swarm.identity_work=4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "swarm.identity_work=4" in out.stderr and "Traceback" not in out.stderr, out.stderr

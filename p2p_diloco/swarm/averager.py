@@ -57,7 +57,7 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
@@ -133,7 +133,7 @@ class PseudoGradAverager(
         min_cosine: float = -1.0,
         max_tokens: int | None = None,
         identity: Identity | None = None,
-        authorized: frozenset[str] | None = None,
+        authorized: Container[str] | None = None,
         max_state_downloads: int = 4,
         compression: str = "none",
         client_mode: bool | None = None,

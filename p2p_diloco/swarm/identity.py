@@ -9,8 +9,19 @@ Output:  ``Identity``: ``peer_id`` (what p2pd derives from the key, so a remote 
          ``owner_of(subkey)`` is the public key inside a signed subkey (``b"[owner:ssh-rsa ...]"``), ``signer_of``
          the peer id that key stands for.
 State:   the private key (in memory, and in the identity file).
-Failure: ``IdentityError`` (a ``ValueError``) for a file that is not a libp2p RSA private key, with the path in
-         the message. ``peer_id_of``/``verify``/``owner_of`` never raise on a stranger's bytes: None / False.
+         ``work_bits(peer_id)``: the identity work a key carries; ``Admission``: who a run lets in (a closed run's
+         list, and ``swarm.identity_work``).
+Failure: ``IdentityError`` (a ``ValueError``) for a file that is not a libp2p RSA private key, or one without the
+         identity work asked, with the path and what to do in the message. ``peer_id_of``/``verify``/``owner_of``/
+         ``work_bits`` never raise on a stranger's bytes: None / False / 0.
+
+Identity work (``swarm.identity_work`` N): a run may ask that a key cost something to make. A key carries the
+leading zero bits of ``sha256(WORK_DOMAIN + peer id)``; a run with N admits only keys with at least N (``Admission``:
+in groups, state downloads, vouches, records). Making such a key means generating about 2**N RSA keys (``load``
+grinds one when it creates the file, showing progress); checking it is one hash. The key itself is the proof, so
+nothing new travels on the wire, and a key keeps its work for every run (it is not bound to a run id: a volunteer
+grinds once). It makes Sybil keys cost CPU time, about 2**N key generations each; it does not stop one attacker
+with that time to spend.
 
 Why one key: a record signed by key K and a gather payload signed by K can both be tied to the libp2p peer whose
 id is ``peer_id_of(K)``; nobody can claim another peer's id without its key (libp2p's Noise handshake proves the
@@ -21,9 +32,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import multihash
@@ -33,7 +48,20 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-__all__ = ["Identity", "IdentityError", "owner_of", "peer_id_of", "read_authorized_keys", "signer_of", "verify"]
+__all__ = [
+    "Admission",
+    "Identity",
+    "IdentityError",
+    "owner_of",
+    "peer_id_of",
+    "read_authorized_keys",
+    "signer_of",
+    "verify",
+    "work_bits",
+]
+
+log = logging.getLogger(__name__)
+WORK_DOMAIN = b"p2p_diloco identity work\x00"
 
 _OWNER_RE = re.compile(re.escape(RSASignatureValidator.PUBLIC_KEY_FORMAT).replace(b"_key_", rb"(.+?)"))
 MAX_PUBLIC_KEY_BYTES = 1024  # an OpenSSH RSA-2048 key is ~380 bytes; RSA-4096 ~720
@@ -58,12 +86,14 @@ class Identity:
         self.peer_id: str = peer_id_of(self.public_key) or ""
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str] | None = None) -> Identity:
-        """The key in ``path`` (created there, mode 0400, when the file does not exist), or a fresh temporary one."""
+    def load(cls, path: str | os.PathLike[str] | None = None, work: int = 0) -> Identity:
+        """The key in ``path`` (created there, mode 0400, when the file does not exist), or a fresh temporary one.
+        ``work``: a key created here carries at least that many bits of identity work (``grind``); an existing one
+        without them raises IdentityError."""
         if path is None:
             fd, tmp = tempfile.mkstemp(prefix="p2p_diloco_identity_", suffix=".key")
             os.close(fd)
-            key = RSAPrivateKey()
+            key = grind(work)
             _write(tmp, key)
             return cls(key, tmp, temporary=True)
         path = str(path)
@@ -71,10 +101,22 @@ class Identity:
             directory = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(directory):
                 raise IdentityError(f"identity file {path!r}: directory {directory!r} does not exist")
-            key = RSAPrivateKey()
+            key = grind(work)
             _write(path, key)
             os.chmod(path, 0o400)
             return cls(key, path, temporary=False)
+        identity = cls._read(path)
+        carried = work_bits(identity.peer_id)
+        if carried < work:
+            raise IdentityError(
+                f"identity file {path!r} carries {carried} bits of identity work and the run asks for "
+                f"swarm.identity_work={work}: point --identity-path at a path that does not exist yet (a key with the "
+                "work is made there, a new peer id), or at a key made for such a run"
+            )
+        return identity
+
+    @classmethod
+    def _read(cls, path: str) -> Identity:
         try:
             data = Path(path).read_bytes()
             message = crypto_pb2.PrivateKey.FromString(data)
@@ -101,6 +143,55 @@ class Identity:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def grind(work: int, clock: Callable[[], float] = time.monotonic) -> RSAPrivateKey:
+    """A fresh RSA key whose peer id carries at least ``work`` bits of identity work: about 2**work tries, each a key
+    generation (~0.05-0.2 s on a CPU core), with a log line every 10 s."""
+    started = last = clock()
+    tries = 0
+    while True:
+        key, tries = RSAPrivateKey(), tries + 1
+        if work <= 0 or work_bits(peer_id_of(key.get_public_key().to_bytes()) or "") >= work:
+            if work > 0:
+                log.info("identity key with %d bits of work after %d tries, %.0fs", work, tries, clock() - started)
+            return key
+        if clock() - last >= 10:
+            last = clock()
+            log.info(
+                "making an identity key with %d bits of work (swarm.identity_work): %d tries in %.0fs, ~%d expected",
+                work,
+                tries,
+                last - started,
+                2**work,
+            )
+
+
+@functools.lru_cache(maxsize=4096)  # every record, vouch and group asks again for the same few peers
+def work_bits(peer_id: object) -> int:
+    """The identity work a peer id carries: the leading zero bits of sha256(WORK_DOMAIN + its text); 0 for a non-str."""
+    if not isinstance(peer_id, str):
+        return 0
+    digest = int.from_bytes(hashlib.sha256(WORK_DOMAIN + peer_id.encode()).digest(), "big")
+    return 256 - digest.bit_length()
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Who a run lets in: a closed run's listed peer ids (``swarm.authorized_keys``; None: any key) and the identity
+    work each key must carry (``swarm.identity_work``). ``peer in admission``: both hold."""
+
+    listed: frozenset[str] | None = None
+    work: int = 0
+
+    def __contains__(self, peer: object) -> bool:
+        peer = str(peer)
+        return (self.listed is None or peer in self.listed) and work_bits(peer) >= self.work
+
+    @classmethod
+    def of(cls, listed: frozenset[str] | None, work: int) -> Admission | None:
+        """The run's admission, or None when it lets any key in (open, no work asked)."""
+        return cls(listed, work) if listed is not None or work > 0 else None
 
 
 def _write(path: str, key: RSAPrivateKey) -> None:

@@ -29,7 +29,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +81,7 @@ class Announcements:
     LIVE = 30.0  # an announcement refreshed longer ago than this is a peer that left: it vouches, but is not "there"
 
     def __init__(
-        self, dht: Any, cfg: Config, fingerprint: str, authorized: frozenset[str] | None = None, peer_id: str = ""
+        self, dht: Any, cfg: Config, fingerprint: str, authorized: Container[str] | None = None, peer_id: str = ""
     ) -> None:
         self.dht, self.cfg, self.peer_id = dht, cfg, peer_id
         self.fingerprint, self.authorized = fingerprint, authorized
@@ -182,7 +182,7 @@ class Membership(Announcements):
         identity: Identity,
         fingerprint: str,
         summary: dict[str, Any],
-        authorized: frozenset[str] | None = None,
+        authorized: Container[str] | None = None,
         client: bool = False,
     ) -> None:
         super().__init__(dht, cfg, fingerprint, authorized, identity.peer_id)
@@ -509,7 +509,8 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
         f"peers of run {cfg.swarm.run_id!r} exist, but none sent an outer state that enough peers vouch for within "
         f"swarm.join_timeout={cfg.swarm.join_timeout:g}s (the lines above say why each offer was refused): retry, or "
         "raise swarm.join_timeout. If the run is closed (its organiser lists the keys it admits), send the organiser "
-        "this peer's key: run_peer --identity-path FILE --print-public-key, then train with that --identity-path"
+        "this peer's key: run_peer --identity-path FILE --print-public-key, then train with that --identity-path. "
+        "If it asks for identity work, train with its config's swarm.identity_work (a key with the work is made)"
     )
 
 

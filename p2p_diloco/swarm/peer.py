@@ -54,7 +54,7 @@ from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
-from p2p_diloco.swarm.identity import Identity, read_authorized_keys
+from p2p_diloco.swarm.identity import Admission, Identity, read_authorized_keys
 from p2p_diloco.swarm.join import Membership, PeerOptions, first_state, wait_for_start_peers
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.standing import counted_members
@@ -128,12 +128,14 @@ class TrainingPeer:
 
     def start(self) -> None:
         cfg, s = self.cfg, self.cfg.swarm
-        authorized = read_authorized_keys(s.authorized_keys) if s.authorized_keys else None
+        listed = read_authorized_keys(s.authorized_keys) if s.authorized_keys else None
+        authorized = Admission.of(listed, s.identity_work)
         # no --identity-path: the key is kept in the log dir, so a restarted peer (--resume) has the same peer id,
         # the same shard, and overwrites its own announcement instead of leaving a stale one beside a new one
         own_key = self.opts.identity_path is None
-        self.identity = identity = Identity.load(self.log_dir / "identity.key" if own_key else self.opts.identity_path)
-        if authorized is not None and identity.peer_id not in authorized:
+        key_path = self.log_dir / "identity.key" if own_key else self.opts.identity_path
+        self.identity = identity = Identity.load(key_path, work=s.identity_work)
+        if listed is not None and identity.peer_id not in listed:  # (Identity.load saw to the identity work)
             raise SwarmSetupError(
                 f"run {s.run_id!r} is closed and swarm.authorized_keys ({s.authorized_keys}) does not list this "
                 f"peer's key; ask the organiser to add this line to it:\n  {identity.public_key.decode()}"

@@ -24,7 +24,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +134,7 @@ class RejectCounter(RecordValidatorBase):
 
 
 def parse_entries(
-    entries: Any, authorized: frozenset[str] | None = None
+    entries: Any, authorized: Container[str] | None = None
 ) -> tuple[dict[str, PeerRecord], dict[str, float], dict[str, str], list[str]]:
     """Pure parse of what ``DHT.get`` returned for the key: (records by peer id, their DHT expiry by peer id,
     owner digest -> peer id, owner digests of the bad entries; records.screen_records says which are bad).
@@ -143,7 +143,7 @@ def parse_entries(
 
 
 def _parse(
-    entries: Any, authorized: frozenset[str] | None
+    entries: Any, authorized: Container[str] | None
 ) -> tuple[dict[str, PeerRecord], dict[str, float], dict[str, str], list[str], list[str]]:
     screened = screen_records(entries, authorized=authorized)
     records: dict[str, PeerRecord] = {}
@@ -175,7 +175,7 @@ def read_swarm(
     timeout: float,
     rejects: RejectCounter | None = None,
     stop: threading.Event | None = None,
-    authorized: frozenset[str] | None = None,
+    authorized: Container[str] | None = None,
 ) -> Reading:
     """One lookup of the run's key (``latest=True``: asks the network, not a cache). Raises TimeoutError after
     ``timeout`` seconds, or as soon as ``stop`` is set (a monitor asked to exit does not wait for a slow lookup).

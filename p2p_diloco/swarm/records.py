@@ -39,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import statistics
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +155,7 @@ def read_records(
     run_id: str,
     max_age: float | None = None,
     timeout: float = 30.0,
-    authorized: frozenset[str] | None = None,
+    authorized: Container[str] | None = None,
 ) -> tuple[dict[str, PeerRecord], int]:
     """Valid, unexpired records by ``peer_id``, and how many entries under the key were bad (see parse_records).
 
@@ -187,7 +188,7 @@ class Screened:
     ignored: list[str] = field(default_factory=list)
 
 
-def screen_records(entries: Any, max_age: float | None = None, authorized: frozenset[str] | None = None) -> Screened:
+def screen_records(entries: Any, max_age: float | None = None, authorized: Container[str] | None = None) -> Screened:
     """Sort what ``DHT.get`` returned for the key into kept, bad and ignored entries. Pure; never raises.
 
     Bad: a subkey that is no owner subkey, a value that does not parse as a PeerRecord, a ``peer_id`` that is not
@@ -227,7 +228,7 @@ def screen_records(entries: Any, max_age: float | None = None, authorized: froze
 
 
 def parse_records(
-    entries: Any, max_age: float | None = None, authorized: frozenset[str] | None = None
+    entries: Any, max_age: float | None = None, authorized: Container[str] | None = None
 ) -> tuple[dict[str, PeerRecord], int]:
     """The parsing half of :func:`read_records`: ``entries`` is the value ``DHT.get`` returned for the key.
     Returns the kept records by ``peer_id`` (newest ``time`` wins) and the number of bad entries (screen_records)."""
