@@ -83,8 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--print-public-key",
         action="store_true",
-        help="print the public key of --identity-path (created if missing), the line an organiser adds to a closed "
-        "run's swarm.authorized_keys, and exit",
+        help="print the public key of --identity-path (created if missing: with --config, carrying its "
+        "swarm.identity_work), the line an organiser adds to a closed run's swarm.authorized_keys, and exit",
     )
     args = p.parse_args(argv)
     if args.print_public_key and not args.identity_path:
@@ -94,8 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def print_public_key(identity_path: str) -> int:
-    identity = Identity.load(identity_path)
+def print_public_key(identity_path: str, work: int = 0) -> int:
+    """Print the key's line (made with ``work`` bits of identity work when the file does not exist yet)."""
+    identity = Identity.load(identity_path, work=work)
     print(f"{identity.public_key.decode()} {identity.peer_id}")
     return 0
 
@@ -125,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, stop: threading.Event) -> int:
     initial = args.initial_peers if args.initial_peers is not None else initial_peers_from_env()
     try:
-        if args.print_public_key:
-            return print_public_key(args.identity_path)
+        if args.print_public_key:  # with --config: a key with the run's identity work
+            cfg = load_config(args.config, args.overrides) if args.config is not None else None
+            return print_public_key(args.identity_path, cfg.swarm.identity_work if cfg is not None else 0)
         initial = parse_initial_peers(initial)  # fail fast, before the data and the model are built
         threads = [f"train.threads={args.threads}"] if args.threads is not None else []
         cfg = load_config(args.config, [*args.overrides, *threads])
