@@ -149,11 +149,11 @@ def test_a_run_with_identity_work_says_what_is_wrong_with_the_key_given(tmp_path
     assert "swarm.identity_work=4" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_print_public_key_with_a_run_config_makes_a_key_with_its_identity_work(tmp_path, capsys):
+def test_print_public_key_with_a_run_config_makes_a_key_with_its_identity_work(tmp_path, capfd):
     from peers.run_peer import main
 
     path = tmp_path / "me.key"
     config = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "swarm.identity_work=3"]
     assert main(["--identity-path", str(path), "--print-public-key", *config]) == 0
-    line = capsys.readouterr().out.split()
+    line = capfd.readouterr().out.split()
     assert line[0] == "ssh-rsa" and work_bits(line[2]) >= 3 and Identity.load(path).peer_id == line[2]
