@@ -53,7 +53,7 @@ def test_a_stranger_never_joins_a_closed_run(spawn, tmp_path, closed_by):
         os.kill(peer.pid, signal.SIGTERM)
     finish(listed, timeout=60)
     said = "\n".join(stranger.stderr_lines)
-    print("what the unlisted peer sees:\n" + "\n".join(stranger.stderr_lines[-4:]))
+    print("what the stranger sees:\n" + "\n".join(stranger.stderr_lines[-4:]))
     assert rc == 2, stranger.describe()
     assert "the peer sent no manifest" in said and "--print-public-key" in said, said
     assert "Traceback" not in said
