@@ -134,19 +134,15 @@ def test_identity_work_is_ground_into_a_new_key_and_checked_on_an_old_one(tmp_pa
     assert Admission.of(None, 0) is None  # an open run without work asks nothing
 
 
-def test_a_run_with_identity_work_says_what_is_wrong_with_the_key_given(tmp_path):
+def test_a_run_with_identity_work_says_what_is_wrong_with_the_key_given(tmp_path, capfd):
     """run_peer with --identity-path at a key without the run's work: exit 2, the reason named, no traceback."""
+    from peers.run_peer import main
+
     plain = next(i for i in (Identity.load(tmp_path / f"p{k}.key") for k in range(64)) if work_bits(i.peer_id) < 4)
-    out = subprocess.run(
-        [sys.executable, "-m", "peers.run_peer", "--config", str(ROOT / "configs" / "tiny.yaml")]
-        + ["--identity-path", plain.path, "--log-dir", str(tmp_path / "run"), "--set", "swarm.identity_work=4"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stderr
-    assert "swarm.identity_work=4" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    config = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "swarm.identity_work=4"]
+    assert main(["--identity-path", plain.path, "--log-dir", str(tmp_path / "run"), *config]) == 2
+    said = capfd.readouterr().err
+    assert "swarm.identity_work=4" in said and plain.path in said and "Traceback" not in said, said
 
 
 def test_print_public_key_with_a_run_config_makes_a_key_with_its_identity_work(tmp_path, capfd):
