@@ -327,8 +327,10 @@ class Worker:
             params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
             if self.pending is not None and self.start is not None:
                 # the fragment in flight as a lost exchange leaves it (``drain``): its steps since the launch carried
-                # onto the anchor, which a resumed peer exchanges again
+                # onto the anchor, which a resumed peer exchanges again (every tensor, after a download since)
                 sent, carry = self.fragments.active(self.pending.mine.payload.tag.round), self.cfg.swarm.overlap_carry
+                if self.pending.state is not self.state:
+                    sent = [True] * len(sent)
                 params = [
                     a.add(p.sub(s), alpha=carry) if on else p
                     for p, s, a, on in zip(params, self.start, self.state.anchor, sent, strict=True)
