@@ -327,14 +327,12 @@ class Worker:
         if self.fragments.count > 1:
             params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
             if self.pending is not None and self.start is not None:
-                # the fragment in flight as a lost exchange leaves it (``drain``): its steps since the launch carried
-                # onto the anchor, which a resumed peer exchanges again (every tensor, after a download since)
-                sent, carry = self.fragments.active(self.pending.mine.payload.tag.round), self.cfg.swarm.overlap_carry
-                if self.pending.state is not self.state:
-                    sent = [True] * len(sent)
+                # what an exchange in flight leaves as a lost one (``drain``): the tensors it puts back on the anchor
+                # with the carried steps, which a resumed peer exchanges again
+                only, carry = self._carried(self.pending), self.cfg.swarm.overlap_carry
                 params = [
-                    a.add(p.sub(s), alpha=carry) if on else p
-                    for p, s, a, on in zip(params, self.start, self.state.anchor, sent, strict=True)
+                    a.add(p.sub(s), alpha=carry) if only is None or only[k] else p
+                    for k, (p, s, a) in enumerate(zip(params, self.start, self.state.anchor, strict=True))
                 ]
             out["params"] = params
             out["params_round"] = self.state.round
@@ -714,9 +712,6 @@ class Worker:
             ]
         self.start = None
         result = None
-        # with fragments, the fragment sent is put on the settled anchor; the others keep θ as it is (their outer state
-        # did not move), unless a download replaced the state since the launch: then every tensor is carried onto it
-        fragment = self.fragments.active(pending.mine.payload.tag.round) if self.fragments.count > 1 else None
         try:
             started = time.monotonic()
             averaged, info = pending.result.result()
@@ -741,13 +736,21 @@ class Worker:
             else:
                 result = self.settle(pending.mine, averaged, info, rules, sync, eval_sets)
         finally:
-            only = fragment if self.state is pending.state else None
+            only = self._carried(pending)
             self.state.copy_to(params, only)
             with torch.no_grad():
                 for k, (p, d) in enumerate(zip(params, drift, strict=True)):
                     if only is None or only[k]:
                         p.add_(d.to(p.device), alpha=carry)
         return result
+
+    def _carried(self, pending: Pending) -> list[bool] | None:
+        """Per tensor, whether the drain of ``pending`` puts it on the anchor with the carried steps (None: every
+        tensor). With fragments, the fragment it sent: the others keep θ as it is, their outer state did not move;
+        unless a download replaced the state since the launch: then every tensor, as without fragments."""
+        if self.fragments.count == 1 or self.state is not pending.state:
+            return None
+        return self.fragments.active(pending.mine.payload.tag.round)
 
     def _adapt(self, pending: Pending, started: float, waited: float) -> None:
         """After a drain that began at ``started`` and waited ``waited`` s: with ``swarm.overlap_steps`` 0, set the
