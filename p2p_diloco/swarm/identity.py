@@ -37,7 +37,6 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,19 +144,21 @@ class Identity:
                 pass
 
 
-def grind(work: int, clock: Callable[[], float] = time.monotonic) -> RSAPrivateKey:
+def grind(work: int) -> RSAPrivateKey:
     """A fresh RSA key whose peer id carries at least ``work`` bits of identity work: about 2**work tries, each a key
     generation (~0.05-0.2 s on a CPU core), with a log line every 10 s."""
-    started = last = clock()
+    started = last = time.monotonic()
     tries = 0
     while True:
         key, tries = RSAPrivateKey(), tries + 1
-        if work <= 0 or work_bits(peer_id_of(key.get_public_key().to_bytes()) or "") >= work:
+        # the uncached count: the keys tried and thrown away stay out of work_bits' memory of the run's peers
+        if work <= 0 or _leading_zero_bits(peer_id_of(key.get_public_key().to_bytes()) or "") >= work:
             if work > 0:
-                log.info("identity key with %d bits of work after %d tries, %.0fs", work, tries, clock() - started)
+                took = time.monotonic() - started
+                log.info("identity key with %d bits of work after %d tries, %.0fs", work, tries, took)
             return key
-        if clock() - last >= 10:
-            last = clock()
+        if time.monotonic() - last >= 10:
+            last = time.monotonic()
             log.info(
                 "making an identity key with %d bits of work (swarm.identity_work): %d tries in %.0fs, ~%d expected",
                 work,
@@ -170,8 +171,10 @@ def grind(work: int, clock: Callable[[], float] = time.monotonic) -> RSAPrivateK
 @functools.lru_cache(maxsize=4096)  # every record, vouch and group asks again for the same few peers
 def work_bits(peer_id: object) -> int:
     """The identity work a peer id carries: the leading zero bits of sha256(WORK_DOMAIN + its text); 0 for a non-str."""
-    if not isinstance(peer_id, str):
-        return 0
+    return _leading_zero_bits(peer_id) if isinstance(peer_id, str) else 0
+
+
+def _leading_zero_bits(peer_id: str) -> int:
     digest = int.from_bytes(hashlib.sha256(WORK_DOMAIN + peer_id.encode()).digest(), "big")
     return 256 - digest.bit_length()
 
