@@ -42,6 +42,11 @@ def test_fragments_refuse_more_fragments_than_tensors_with_a_message():
         load_config(TINY, ["swarm.fragments=0"])
 
 
+# fragments 2 with eager overlap: round r's exchange settled after 2 of round r+1's 4 steps, half of them carried
+EAGER_F2 = ["inner.steps=4", "train.rounds=4", "swarm.fragments=2", "swarm.compression=none", "swarm.overlap=eager"]
+EAGER_F2 += ["swarm.overlap_steps=2", "swarm.overlap_carry=0.5"]
+
+
 def _alone(mine: Contribution) -> Future:
     """The exchange of a group of one, done: its mean is the Δ sent."""
     done = Future()
@@ -56,11 +61,7 @@ def test_eager_overlap_carries_the_fragment_sent_and_leaves_the_others_training(
     overlap_carry of the steps since, and leaves the others' θ where their steps took it, so the next fragment's Δ
     spans every step since the start. A checkpoint with the exchange in flight holds the fragment sent as a lost
     exchange would leave it (the anchor plus the carried steps), the others as they are."""
-    cfg = load_config(
-        TINY,
-        ["inner.steps=4", "train.rounds=4", "swarm.fragments=2", "swarm.compression=none", "swarm.overlap=eager"]
-        + ["swarm.overlap_steps=2", "swarm.overlap_carry=0.5"],
-    )
+    cfg = load_config(TINY, EAGER_F2)
     worker = Worker(cfg, 257, _batches(2))
     first, start = worker.active(), [a.clone() for a in worker.state.anchor]
     mine = worker.contribute()
@@ -158,11 +159,7 @@ def test_a_download_while_a_fragment_is_in_flight_carries_every_tensor_onto_the_
     """Eager with fragments, a state downloaded while the exchange is in flight (a resync, a catch-up): the drain drops
     the group's result (it belongs to the state replaced), counts the round lost, and puts every tensor on the
     downloaded anchor plus overlap_carry of the steps taken since the download."""
-    cfg = load_config(
-        TINY,
-        ["inner.steps=4", "train.rounds=4", "swarm.fragments=2", "swarm.compression=none", "swarm.overlap=eager"]
-        + ["swarm.overlap_steps=2", "swarm.overlap_carry=0.5"],
-    )
+    cfg = load_config(TINY, EAGER_F2)
     worker, donor = Worker(cfg, 257, _batches(3)), Worker(cfg, 257, _batches(4))
     donor.apply_outer([torch.full_like(a, 0.01) for a in donor.state.anchor])
     worker.launch(worker.contribute(), _alone)
