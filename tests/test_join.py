@@ -220,7 +220,8 @@ def test_a_peer_that_left_a_lineage_vouches_only_for_the_one_it_took():
 @pytest.mark.timeout(60)
 def test_a_peer_waits_at_the_end_only_for_mates_whose_last_round_may_still_end():
     """``finishing(R)``: a live mate that still averages and holds round R - 1 or later may still end its last round
-    (on another lineage: the end-of-run heal waits for it); one further behind, or done, is not waited for."""
+    (on another lineage: the end-of-run heal waits for it); one further behind, or done, is not waited for. One seen
+    averaging lately and missing from a read is."""
     cfg = load_config(TINY, [])
     with _three_members(cfg) as ((reader, one, other), _):
         assert not reader.finishing(3)  # nobody announced
@@ -231,6 +232,9 @@ def test_a_peer_waits_at_the_end_only_for_mates_whose_last_round_may_still_end()
         assert other.announce(RoundTag(2, "b" * 16))
         reader.suspect([one.peer_id])  # silent in a failed attempt's vote: not waited for
         assert reader.finishing(3)  # the other still is
+        reader.timeout = 0.0  # a read the DHT does not answer in time reads as nobody: not as "every mate is done"
+        assert reader.others() == {} and reader.finishing(3)
+        reader.timeout = cfg.swarm.dht_timeout
         assert other.finish() and not reader.finishing(3)  # its run is over
 
 

@@ -39,6 +39,14 @@ def _harness(out: Path, *args: str) -> dict:
     return case
 
 
+def _heal_lines(workdir: Path) -> list[str]:
+    """What the peers logged of the end-of-run heal (host*.log in the harness's workdir): to say why a run did not
+    end on one state."""
+    words = ("run's end", "ended split", "averaged in")
+    return [line for log in sorted(workdir.glob("host*.log")) for line in log.read_text().splitlines()
+            if any(word in line for word in words)]  # fmt: skip
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(480)
 def test_scale_smoke_ends_every_round_on_one_state(tmp_path: Path) -> None:
@@ -67,7 +75,7 @@ def test_a_run_whose_last_round_split_ends_on_one_state(tmp_path: Path) -> None:
     for attempt in range(SPLIT_TRIES):
         case = _harness(tmp_path / f"scale{attempt}.json", "--peers", "4", "--group", "2", "--per-process", "4",
                         "--rounds", "1", "--h", "2", "--timeout", "400", *sets)  # fmt: skip
-        assert case["final_states"] == 1, case
+        assert case["final_states"] == 1, (case, _heal_lines(Path(case["workdir"])))
         runs.append({k: case[k] for k in ("states_per_round", "lost_peer_rounds", "final_states", "healed_at_end")})
         if case["states_per_round"].get("1", 0) >= 2:  # the round split (the cap makes two rounds of two)
             assert case["healed_at_end"] >= 1, case

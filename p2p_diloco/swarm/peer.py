@@ -31,6 +31,7 @@ This module only orchestrates; each concern has its own:
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -422,6 +423,10 @@ class TrainingPeer:
                     self._checkpoint()
                     continue
             elif not self.members.finishing(mine.round):
+                read = self.members.others(max_age=2 * self.FINAL_HEAL_PAUSE)  # the read finishing() just made
+                ends = collections.Counter(str(v.get("states", [[]])[-1]) for v in read.values())
+                log.info("the run's end: no mate still finishing; ours %s, the %d others read hold %s", mine,
+                         len(read), dict(ends))  # fmt: skip
                 break
             if time.monotonic() > deadline:
                 log.warning("the run's end: mates still finish their last round after %.0fs; not waiting longer",
