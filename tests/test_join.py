@@ -236,6 +236,7 @@ def test_a_peer_waits_at_the_end_only_for_mates_whose_last_round_may_still_end()
         assert reader.others() == {} and reader.finishing(3)
         reader.timeout = cfg.swarm.dht_timeout
         assert other.finish() and not reader.finishing(3)  # its run is over
+        assert reader.held() == {RoundTag(2, "b" * 16): 2}  # what the heal at the end logs
 
 
 @pytest.mark.timeout(60)

@@ -25,6 +25,7 @@ Failure: SwarmSetupError when every other peer of the run has other settings (th
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -447,6 +448,13 @@ class Membership(Announcements):
             if tags and tags[-1].round >= last_round - 1:
                 return True
         return False
+
+    def held(self, max_age: float = 0.0) -> collections.Counter[RoundTag]:
+        """How many other peers with our settings hold each state (the last tag they announce), read as ``others``."""
+        return collections.Counter(
+            tags[-1] for v in self.others(max_age).values() if v.get("fingerprint") == self.fingerprint
+            for tags in [_tags_of(v)] if tags
+        )  # fmt: skip
 
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and

@@ -31,7 +31,6 @@ This module only orchestrates; each concern has its own:
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import logging
@@ -423,10 +422,9 @@ class TrainingPeer:
                     self._checkpoint()
                     continue
             elif not self.members.finishing(mine.round):
-                read = self.members.others(max_age=2 * self.FINAL_HEAL_PAUSE)  # the read finishing() just made
-                ends = collections.Counter(str(v.get("states", [[]])[-1]) for v in read.values())
-                log.info("the run's end: no mate still finishing; ours %s, the %d others read hold %s", mine,
-                         len(read), dict(ends))  # fmt: skip
+                held = self.members.held(max_age=2 * self.FINAL_HEAL_PAUSE)  # from the read finishing() just made
+                log.info("the run's end: no mate still finishing; ours is %s, the others read hold %s", mine,
+                         ", ".join(f"{tag} x{n}" for tag, n in held.items()) or "nothing")  # fmt: skip
                 break
             if time.monotonic() > deadline:
                 log.warning("the run's end: mates still finish their last round after %.0fs; not waiting longer",
