@@ -26,7 +26,7 @@ def _part(numel: int = 1000, seed: int = 0, scale: float = 1e-3) -> torch.Tensor
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-@pytest.mark.parametrize("name", [*CODECS, "sparse8"])
+@pytest.mark.parametrize("name", [*CODECS, "sparse4"])
 @pytest.mark.parametrize("numel", [1, 2, 63, 64, 65, 127, 128, 129, 250])
 def test_the_encoding_has_exactly_the_stated_size_and_decodes_to_the_roundtrip(name, numel):
     codec = Codec(name)
@@ -163,23 +163,26 @@ def test_top_k_positions_survive_gaps_of_255_and_more():
     assert len(data) > codec.encoded_size(numel)  # zeros may sit anywhere: some gaps needed escapes
     mean = torch.zeros(numel)
     mean[at] = 1.0
-    assert torch.equal(Codec("sparse8").roundtrip(mean), mean)
+    assert torch.equal(Codec("sparse4").roundtrip(mean), mean)
     gaps = [b - a - 1 for a, b in zip([-1, *at], at)]  # 0, 253, 0, 253, 0, 764, 0, 98722
     escapes = sum(gap // 255 for gap in gaps)
-    assert escapes == 389 and len(Codec("sparse8").encode(mean)) == 4 + 4 + 8 + 8 + escapes  # count, scale, codes
+    assert escapes == 389 and len(Codec("sparse4").encode(mean)) == 4 + 4 + 4 + 8 + escapes  # count, scale, codes
 
 
-def test_the_mean_of_top_k_parts_keeps_every_nonzero_in_int8():
+def test_the_mean_of_top_k_parts_keeps_every_position_in_int4():
     parts = [Codec("topk3").roundtrip(_part(3000, seed)) for seed in range(4)]
     mean = torch.stack(parts).mean(0)
+    data = Codec("topk3").mean.encode(mean)
     out = Codec("topk3").mean.roundtrip(mean)
-    assert Codec("topk3").mean.name == "sparse8" and Codec("int8").mean == Codec("int8")
-    assert torch.equal(out != 0, mean != 0)  # the union of the senders' supports, nothing else
-    for start in range(0, int((mean != 0).sum()), BLOCK):  # int8 over the nonzeros, block by block
-        chunk = mean[mean != 0][start : start + BLOCK]
-        got = out[mean != 0][start : start + BLOCK]
-        assert float((got - chunk).abs().max()) <= 0.5 * float(chunk.abs().max()) / 127 * (1 + 1e-5)
-    assert Codec("sparse8").encode(torch.zeros(10)) == b""  # as every codec writes a part of zeros
+    assert Codec("topk3").mean.name == "sparse4" and Codec("int8").mean == Codec("int8")
+    union = mean != 0
+    assert int.from_bytes(data[:4], "little") == int(union.sum()) > 90  # every position of the senders' supports
+    assert not bool(out[~union].any())  # and nothing else
+    for start in range(0, int(union.sum()), INT4_BLOCK):  # int4 over the nonzeros, block by block
+        chunk = mean[union][start : start + INT4_BLOCK]
+        got = out[union][start : start + INT4_BLOCK]
+        assert float((got - chunk).abs().max()) <= 0.5 * float(chunk.abs().max()) / 7 * (1 + 1e-5)
+    assert Codec("sparse4").encode(torch.zeros(10)) == b""  # as every codec writes a part of zeros
 
 
 def test_sparse_bytes_that_are_no_encoding_are_refused():
@@ -200,20 +203,20 @@ def test_sparse_bytes_that_are_no_encoding_are_refused():
     bad[4:8] = torch.tensor([float("nan")]).numpy().tobytes()
     with pytest.raises(CodecError, match="magnitudes"):
         codec.decode(bytes(bad), numel)
-    mean = Codec("sparse8")
-    with pytest.raises(CodecError, match="no sparse8 encoding"):
+    mean = Codec("sparse4")
+    with pytest.raises(CodecError, match="no sparse4 encoding"):
         mean.decode(mean.encode(_part(50))[:-2], 50)
-    with pytest.raises(CodecError, match="no sparse8 encoding"):
+    with pytest.raises(CodecError, match="no sparse4 encoding"):
         mean.decode(b"\x01", 50)
 
 
-def test_a_sparse_wire_sends_parts_in_top_k_and_means_in_sparse8():
+def test_a_sparse_wire_sends_parts_in_top_k_and_means_in_sparse4():
     wire = WireCodec(Codec("topk1"))
-    assert wire.means.codec.name == "sparse8" and WireCodec(Codec("int8")).means.codec.name == "int8"
+    assert wire.means.codec.name == "sparse4" and WireCodec(Codec("int8")).means.codec.name == "int8"
     mean = wire.means.compress(_part(500))
     with pytest.raises(CodecError, match="expected 'p2p_diloco/topk1'"):
         wire.extract(mean)  # a mean where a part belongs is refused
-    assert torch.equal(wire.means.extract(mean), Codec("sparse8").roundtrip(_part(500)))
+    assert torch.equal(wire.means.extract(mean), Codec("sparse4").roundtrip(_part(500)))
 
 
 def test_roundtrip_parts_reports_each_tensors_bytes():

@@ -115,7 +115,7 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     int4 step of tiny's Δ̄ is up to ~1e-3, times the Nesterov step's (1 + m) lr), hence the looser bound on the
     largest difference there, and the share of values that differ at all must stay small: a simulator that missed
     what the peers do (error feedback, a codec's cut into parts) would move nearly every value. topk3 (3% of each
-    part in 2 bits, the means of the parts as their nonzeros in int8) runs with error feedback, as a top-k codec
+    part in 2 bits, the means of the parts as their nonzeros in int4) runs with error feedback, as a top-k codec
     always does: each peer's residual is its own, kept from its own Δ. Its bytes depend on the data: the swarm's
     are compared with the simulator's measure of the same rounds. ``@F2``: swarm.fragments 2 (rounds 1 and 3
     exchange one half of the model's tensors, round 2 the other), each fragment's exchange behind the next round's
