@@ -170,7 +170,7 @@ def codec_plan(preset: str, codecs: list[str], seeds: list[int], eager: int = 0)
 
 
 # a top-k codec runs with the outer step its advice names (engine.sparse_advice): its error feedback is the momentum
-SPARSE_OUTER = ["outer.momentum=0", "outer.lr=2", "outer.lr_warmup_rounds=0", "swarm.feedback_decay=0.95"]
+SPARSE_OUTER = ["outer.momentum=0", "outer.lr=3", "outer.lr_warmup_rounds=0", "swarm.feedback_decay=0.95"]
 
 
 def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
