@@ -156,11 +156,11 @@ class SwarmConfig:
     # fp16/bf16 halve the bytes at the same quality. int4 sends 7.11x fewer bytes than fp32 (1.83x fewer than int8):
     # on small level with int8 (2 seeds: 0.9975 of fp32's loss), on tiny +0.8% over int8 in both seeds: for slow
     # uplinks. topk1 / topk3: 1% / 3% of each part's values, 2 bits each, with error feedback always (the means travel
-    # as their nonzeros in int8); run them with outer.momentum 0, outer.lr 2, no outer lr warmup and feedback_decay
-    # 0.95 (a peer logs this advice otherwise). Tiny, 40 rounds x H 25, 2 seeds, outer lr 2: topk3 sent 30.7x fewer
-    # bytes than fp32 at 0.96x its eval loss, topk1 87.9x at 1.01x (docs/compression.md has the lr sweep). Not the
-    # default: measured on tiny only, and each value moves only when it reaches its chunk's top k, so they want many
-    # short rounds.
+    # as their nonzeros in int4); run them with outer.momentum 0, outer.lr 3, no outer lr warmup and feedback_decay
+    # 0.95 (a peer logs this advice otherwise). Tiny, 4 workers, 40 rounds x H 25, 2 seeds, outer lr 3: topk3 sent
+    # 38.1x fewer bytes than fp32 at 0.96x its eval loss, topk1 108.5x at 0.97x (docs/compression.md has the lr
+    # sweep). Not the default: measured on tiny only, not yet on shaped links with the int4 mean, and each value moves
+    # only when it reaches its chunk's top k, so they want many short rounds.
     compression: str = "int8"
     # A lossy codec's error carried into the next round (engine.py): each peer adds to its Δ what the codec left out of
     # the Δ it sent last (kept in its checkpoint, restored on --resume), so over rounds the whole Δ reaches the

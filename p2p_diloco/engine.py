@@ -173,8 +173,8 @@ def sparse_advice(cfg: Config) -> str | None:
     return (
         f"swarm.compression={cfg.swarm.compression} with outer.momentum={cfg.outer.momentum}: in the simulator this "
         "ended far above fp32 DiLoCo's loss (tiny, topk1 and topk3 selecting per part: 1.32x to 1.69x); the error "
-        "feedback is the momentum: set outer.momentum=0 outer.lr=2 outer.lr_warmup_rounds=0 "
-        "swarm.feedback_decay=0.95 (tiny, 40 rounds x H 25, 2 seeds: topk3 0.96x and topk1 1.01x fp32's loss; "
+        "feedback is the momentum: set outer.momentum=0 outer.lr=3 outer.lr_warmup_rounds=0 "
+        "swarm.feedback_decay=0.95 (tiny, 40 rounds x H 25, 2 seeds: topk3 0.96x and topk1 0.97x fp32's loss; "
         "docs/compression.md)"
     )
 
