@@ -159,8 +159,8 @@ class SwarmConfig:
     # as their nonzeros in int4); run them with outer.momentum 0, outer.lr 3, no outer lr warmup and feedback_decay
     # 0.95 (a peer logs this advice otherwise). Tiny, 4 workers, 40 rounds x H 25, 2 seeds, outer lr 3: topk3 sent
     # 38.1x fewer bytes than fp32 at 0.96x its eval loss, topk1 108.5x at 0.97x (docs/compression.md has the lr
-    # sweep). Not the default: measured on tiny only, not yet on shaped links with the int4 mean, and each value moves
-    # only when it reaches its chunk's top k, so they want many short rounds.
+    # sweep); on small topk1 ended at 1.07x (106.5x fewer bytes). Not the default: short of fp32 on small, and each
+    # value moves only when it reaches its chunk's top k, so they want many short rounds.
     compression: str = "int8"
     # A lossy codec's error carried into the next round (engine.py): each peer adds to its Δ what the codec left out of
     # the Δ it sent last (kept in its checkpoint, restored on --resume), so over rounds the whole Δ reaches the
