@@ -414,6 +414,10 @@ class TrainingPeer:
         left, deadline = None, time.monotonic() + self.cfg.swarm.round_deadline
         while not self.opts.stop.is_set():
             mine = self.sync.tag()
+            # finishing before canonical, each its own read: mates announce their last state and "done" within
+            # moments, so a split judged on a read older than the one that found them done can be missed (seen in 2
+            # of 12 runs the other way round: the last read showed the 2 + 2 split, all done, and the peer stayed)
+            settled = not self.members.finishing(mine.round)
             target = self.members.canonical(mine, counting_done=True)
             if target is not None:
                 log.warning("the run ended split: more peers hold the lineage of %s than ours (%s)", target, mine)
@@ -421,8 +425,8 @@ class TrainingPeer:
                     left = left or mine
                     self._checkpoint()
                     continue
-            elif not self.members.finishing(mine.round):
-                held = self.members.held(max_age=2 * self.FINAL_HEAL_PAUSE)  # from the read finishing() just made
+            elif settled:
+                held = self.members.held(max_age=2 * self.FINAL_HEAL_PAUSE)  # from the read canonical() just made
                 log.info("the run's end: no mate still finishing; ours is %s, the others read hold %s", mine,
                          ", ".join(f"{tag} x{n}" for tag, n in held.items()) or "nothing")  # fmt: skip
                 break
