@@ -431,9 +431,8 @@ class Membership(Announcements):
         A mate further behind is not waited for, nor one whose run is over (``done``), nor one that fell silent in a
         failed attempt's vote and said nothing since (``suspect``: killed, most likely). A mate this read lacks but an
         earlier one showed averaging within LIVE seconds counts as finishing too: a read that misses
-        announcements, or that the DHT did not answer, is not "every mate is done" (without this rule, seen in 1 of 22
-        runs: a peer ended its heal 0.4 s after its round, before its split's other half had announced theirs; the run
-        ended on 2 states)."""
+        announcements, or that the DHT did not answer, is not "every mate is done" (a guard: the split that ended a run
+        on 2 states came from the order of the heal's reads, peer.py, not from a read shown to miss a mate)."""
         others = self.others()
         horizon = time.monotonic() - self.LIVE
         if any(seen > horizon and peer not in others for peer, seen in list(self._averaging_seen.items())):
