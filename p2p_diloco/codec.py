@@ -29,8 +29,8 @@ byte gaps (a gap of 255 or more takes escape bytes): ~1.25 bytes a value sent. A
 the union of the senders' positions; it travels as ``sparse4``: its nonzeros in int4 (as the int4 codec writes them,
 blocks of INT4_BLOCK nonzeros) with their positions, ~1.6 bytes a nonzero, so a reducer drops no position a sender
 sent (a value under half its block's step decodes as 0). In int8 (``sparse8``, until 2026-12-06) the mean was 85% of a
-topk1 round's bytes at 4 workers, and the round 88x smaller than fp32's; in int4, 108x at a loss 0.9% worse
-(docs/compression.md).
+topk1 round's bytes at 4 workers, and the round 88x smaller than fp32's; in int4, 108x (its loss:
+docs/compression.md).
 
 Any codec writes a part of zeros as no bytes (and decodes no bytes as zeros): the tensors a round of streaming
 fragments leaves out (fragments.py) cost nothing. Decoding is the same IEEE operations on every peer: all receivers of

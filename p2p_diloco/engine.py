@@ -71,10 +71,12 @@ __all__ = [
     "ReduceInfo",
     "Reducer",
     "RoundResult",
+    "SPARSE_OUTER",
     "SharedState",
     "Worker",
     "evaluate",
     "fp32_bytes_sent",
+    "sparse_advice",
 ]
 
 log = logging.getLogger(__name__)
@@ -166,6 +168,10 @@ class Pending:
 _ADVISED: set[str] = set()  # advice already logged by this process (the simulator builds several workers)
 
 
+# the outer step a top-k codec measured well with (docs/compression.md): its error feedback is the momentum
+SPARSE_OUTER = ("outer.momentum=0", "outer.lr=3", "outer.lr_warmup_rounds=0", "swarm.feedback_decay=0.95")
+
+
 def sparse_advice(cfg: Config) -> str | None:
     """A top-k codec with DiLoCo's outer momentum: what it measured, and the settings that measured well."""
     if not get_codec(cfg.swarm.compression).sparse or cfg.outer.momentum == 0:
@@ -173,9 +179,8 @@ def sparse_advice(cfg: Config) -> str | None:
     return (
         f"swarm.compression={cfg.swarm.compression} with outer.momentum={cfg.outer.momentum}: in the simulator this "
         "ended far above fp32 DiLoCo's loss (tiny, topk1 and topk3 selecting per part: 1.32x to 1.69x); the error "
-        "feedback is the momentum: set outer.momentum=0 outer.lr=3 outer.lr_warmup_rounds=0 "
-        "swarm.feedback_decay=0.95 (tiny, 40 rounds x H 25, 2 seeds: topk3 0.96x and topk1 0.97x fp32's loss; "
-        "docs/compression.md)"
+        f"feedback is the momentum: set {' '.join(SPARSE_OUTER)} (tiny, 40 rounds x H 25, 2 seeds: topk3 0.96x and "
+        "topk1 0.97x fp32's loss; docs/compression.md)"
     )
 
 

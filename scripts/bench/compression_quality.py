@@ -57,6 +57,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import RESULTS_DIR, ROOT, Recorder, exit_on_sigterm, fill_defaults, single_thread_env  # noqa: E402
 
+from p2p_diloco.engine import SPARSE_OUTER  # noqa: E402
+
 WORKERS = 4
 TAU_REC = 10  # τ of the seed comparisons
 # name -> config, rounds, H, overrides, overlap depths τ to check, seeds; H = 100 is the utilisation target's
@@ -169,17 +171,13 @@ def codec_plan(preset: str, codecs: list[str], seeds: list[int], eager: int = 0)
     return [Case(preset, c, o, tau, seed, "codec") for seed in seeds for c in codecs for o, tau in overlaps]
 
 
-# a top-k codec runs with the outer step its advice names (engine.sparse_advice): its error feedback is the momentum
-SPARSE_OUTER = ["outer.momentum=0", "outer.lr=3", "outer.lr_warmup_rounds=0", "swarm.feedback_decay=0.95"]
-
-
 def overrides_for(case: Case, args: argparse.Namespace) -> list[str]:
     spec = PRESETS[case.preset]
     rounds = args.rounds or spec["rounds"]
     h = args.h or spec["h"]
     base = SMOKE_OVERRIDES if args.smoke else spec["overrides"]
     eager = [f"swarm.overlap_steps={case.tau}"] if case.overlap != "none" else []
-    sparse = SPARSE_OUTER if case.compression.startswith("topk") else []
+    sparse = list(SPARSE_OUTER) if case.compression.startswith("topk") else []  # the outer step sparse_advice names
     codec, _, fragments = case.compression.partition("@F")
     return [
         *base,
