@@ -248,14 +248,16 @@ def test_budgeted_rounds_end_together_for_peers_of_different_speeds(spawn, tmp_p
 @pytest.mark.timeout(240)
 def test_fixed_h_fast_peers_do_not_wait_for_a_straggler_whose_delayed_delta_still_counts(spawn, tmp_path):
     """Fixed H with one peer 3x slower: the fast pair averages without waiting for it (groups of 2), and when it
-    arrives rounds behind, its Δ counts (max_staleness 3) and it catches up to the group's state (or, when that
-    download fails, resyncs); every group's members hold the same state."""
+    arrives rounds behind, its Δ counts (max_staleness 6) and it catches up to the group's state (or, when that
+    download fails, resyncs); every group's members hold the same state. The slow peer's first Δ arrives 2-4 rounds
+    behind: on a 2-core machine the fast pair runs faster while the slow peer is stopped (a CI run with
+    max_staleness 3 found it 4 behind, and it rightly resynced instead)."""
     boot, initial = start_bootstrap(spawn)
     sets = [
         "train.rounds=8",
         "inner.steps=60",
         "data.num_shards=3",
-        "swarm.max_staleness=3",
+        "swarm.max_staleness=6",
         "swarm.start_peers=3",
         "swarm.matchmaking_time=4",
     ]
@@ -283,6 +285,7 @@ def test_fixed_h_fast_peers_do_not_wait_for_a_straggler_whose_delayed_delta_stil
     said = [line for line in peers[2].stderr_lines if "round" in line][-40:]
     counted = [line for line in peers[2].stderr_lines if re.search(r"round\(s\) behind the group .*: Δ counts x", line)]
     assert counted, said
+    print("counted:", counted)
     assert len(slow) < len(fast[0]), (slow, fast[0])
 
 
