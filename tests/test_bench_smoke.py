@@ -69,13 +69,15 @@ PARALLEL = 3  # smoke scripts running at once: all eleven together starved each 
 @pytest.fixture(scope="module")
 def smoke(request, tmp_path_factory):
     """``smoke(test name) -> (Proc, output dir)`` once that script exited 0. The selected scripts run PARALLEL at a
-    time, in the tests' order, from when the first test asks; each one's deadline counts from its own start."""
+    time, in the tests' order, from when the first test asks; each one's deadline counts from its own start. Under
+    pytest -n a worker that runs only the module's last tests starts only theirs."""
     out = tmp_path_factory.mktemp("bench")
     queue = [item.name for item in request.session.items if item.name in SMOKES]
     procs: dict[str, tuple[Proc, float]] = {}  # started: name -> (process, when)
 
     def launch(name: str) -> None:
-        queue.remove(name)
+        if name in queue:
+            queue.remove(name)
         script, args, _ = SMOKES[name]
         procs[name] = (Proc([sys.executable, str(BENCH / script), "--smoke", *args(out)], cwd=ROOT), time.monotonic())
 
@@ -85,6 +87,8 @@ def smoke(request, tmp_path_factory):
             launch(name)
 
     def finish(name: str) -> tuple[Proc, Path]:
+        # the tests queued before this one ran in another process (pytest -n: a worker stole the module's tail)
+        del queue[: queue.index(name) if name in queue else 0]
         start_more()
         if name not in procs:  # asked out of its turn (a -k selection's order): start it now, beside the others
             launch(name)
