@@ -172,8 +172,11 @@ def test_three_peers_get_the_weighted_mean(spawn, compression):
 @pytest.mark.parametrize("compression", ["none", "int8"])
 def test_a_round_of_more_peers_than_a_group_applies_one_weighted_mean(spawn, compression):
     """5 peers, groups of at most 2: the round runs as 3 butterflies (2 + 2 + 1 members) whose means each part's round
-    reducer combines, and every member of every group ends with the same bits: the weighted mean of all 5."""
+    reducer combines, and every member of every group ends with the same bits: the weighted mean of all 5. Timeouts
+    looser than FAST's: with two tests at a time on 2 cores, a follower missed the leader's start within 1 s (its
+    matchmaking failed while the others counted it) and a group's mean took over 6 s to reach its round reducer."""
     cfg = {**FAST, "compression": compression, "target_group_size": 2, "max_round_peers": 5, "part_size_bytes": 4096}
+    cfg.update(request_timeout=3.0, next_chunk_timeout=6.0, matchmaking_time=6.0)
     peers = start_swarm(spawn, 5, averager=cfg)
     weights = [1.0, 2.0, 5.0, 3.0, 4.0]
     for peer, weight in zip(peers, weights, strict=True):
