@@ -170,7 +170,9 @@ def test_allreduce_smoke(smoke):
     assert all(math.isfinite(v) and v >= 0 for v in phases), s
     assert positive(s["check_seconds"]) and positive(s["allreduce_seconds"]), s
     assert sum(phases) <= s["round_seconds"] * 1.01 + 0.01, s
-    assert 0.9 < s["payload_bytes"] / s["bytes_lower_bound"] < 1.5, s  # the byte counter saw the parts
+    # the byte counter saw the parts: one whole butterfly at least, and about one per attempt (a retried round's
+    # failed attempt sent its bytes all the same; seen once in CI under load: 2 attempts, 2.0x the bound)
+    assert 0.9 < s["payload_bytes"] / s["bytes_lower_bound"] < 1.5 * s["attempts_max"], s
 
 
 @pytest.mark.swarm

@@ -239,6 +239,7 @@ def worker(cfg: dict[str, Any]) -> None:
             "complete": info.complete,
             "group_size": info.group_size,
             "reason": info.reason,
+            "attempts": info.attempts,
             "estimate_bytes": fp32_bytes_sent(size, info.group_size),
             "payload_bytes": info.bytes_sent,
             "payload_bytes_received": info.bytes_received,
@@ -523,6 +524,7 @@ def summarise(world: int, size: int, recs: list[dict[str, Any]], codec: str = "n
         "max_rel_diff_vs_gloo": max(diffs) / max(scale) if diffs and scale else None,
         "reasons": sorted({r["reason"] for r in every if r["reason"]}),
         "retried_peer_rounds": sum(1 for r in every if r["reason"]),
+        "attempts_max": max(r["attempts"] for r in every),  # payload bytes are summed over a round's attempts
     }
 
 
