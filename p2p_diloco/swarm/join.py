@@ -405,14 +405,17 @@ class Membership(Announcements):
     def canonical(self, mine: RoundTag, counting_done: bool = False) -> RoundTag | None:
         """The state to move to when the live peers with our settings (us included) hold two or more lineages of the
         outer state and ours is not the canonical one (lineage.py); else None. The canonical lineage's furthest state
-        that the swarm offers (``swarm.state_quorum`` vouch for it and a live peer holds it) is the one to take; None
-        when it offers none of that lineage's states. Measured before this rule: 16 peers split at round 1 ran two
-        lineages side by side for five rounds. ``counting_done``: peers whose run is over count too, while they
-        linger (the heal at the end of a run, when every peer is done or about to be)."""
+        that the swarm offers (``swarm.state_quorum`` vouch for it, or all the lineage's peers when fewer, and a live
+        peer holds it) is the one to take; None when it offers none of that lineage's states. Measured before this
+        rule: 16 peers split at round 1 ran two lineages side by side for five rounds. ``counting_done``: peers whose
+        run is over count too, while they linger (the heal at the end of a run, when every peer is done or about to
+        be). A peer we banned (``admits``) counts for no lineage."""
         others = self.others()
         counts = (lambda v: bool(v.get("live"))) if counting_done else _averages
-        histories = {
-            peer: _tags_of(v) for peer, v in others.items() if v.get("fingerprint") == self.fingerprint and counts(v)
+        histories = {  # a peer our averager banned (a caught liar) offers no lineage to us
+            peer: _tags_of(v)
+            for peer, v in others.items()
+            if v.get("fingerprint") == self.fingerprint and counts(v) and self.admits(peer)
         }
         if not any(histories.values()):
             return None
@@ -420,8 +423,11 @@ class Membership(Announcements):
         chosen = lineage.canonical(histories)
         if chosen is None or self.peer_id in chosen[0]:
             return None
-        # the same read, not a second one; keys, as the lineage was chosen (sync.Vouches.offers)
-        offers = self.vouches(others).offers(self.cfg.swarm.state_quorum, None, by_standing=False)
+        # the same read, not a second one; keys, as the lineage was chosen (sync.Vouches.offers). A quorum of more keys
+        # than the lineage holds could never be met: after a round that failed for all, 3 peers on 3 states (one each)
+        # stayed apart to the end, each refusing the canonical one ("fewer than 2 peers vouch for it")
+        quorum = min(self.cfg.swarm.state_quorum, len(chosen[0]))
+        offers = self.vouches(others).offers(quorum, None, by_standing=False)
         offered = [tag for tag, _ in offers if tag in chosen[1]]
         return offered[0] if offered else None  # offers come furthest first
 
