@@ -20,6 +20,14 @@ from scripts.procs import WARM_START_VARIABLE, Proc  # noqa: E402
 # P2P_DILOCO_WARM_START=0 runs the suite on fresh interpreters
 os.environ.setdefault(WARM_START_VARIABLE, "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two tests at a time (pytest -n 2): torch's idle OpenMP threads spin, so a test that trains in this process
+    # with 2 threads beside the other worker's test ran several times slower (BENCHMARKS.md item 12); 1 thread
+    # each, as the peers the tests start already have (scripts/procs.py sets their OMP_NUM_THREADS=1)
+    import torch
+
+    torch.set_num_threads(1)
+
 TAIL_LINES = 60  # of each stream of each child, printed when a test fails
 
 
