@@ -181,20 +181,20 @@ def test_a_peer_on_the_smaller_lineage_of_a_split_moves_to_the_larger_one():
         for member, history in ((reader, [s0, a1]), (first, [s0, b1]), (second, [s0, b1, b2])):
             for tag in history:
                 assert member.announce(tag)
-        assert reader.canonical(a1) == b2  # 2 hold lineage b: its furthest state
-        assert first.canonical(b1) is None and second.canonical(b2) is None  # already on it
+        assert _target(reader, a1) == b2  # 2 hold lineage b: its furthest state
+        assert _target(first, b1) is None and _target(second, b2) is None  # already on it
         first.states = []  # one of b's peers moves to a: 2 against 1 the other way
         for tag in (s0, a1):
             assert first.announce(tag)
-        assert reader.canonical(a1) is None and first.canonical(a1) is None
-        assert second.canonical(b2) == a1
+        assert _target(reader, a1) is None and _target(first, a1) is None
+        assert _target(second, b2) == a1
         assert second.finish()  # its run is over: it no longer counts
         first.states = []
         for tag in (s0, b1):  # one on each lineage: the smaller checksum at the latest common round (1) wins
             assert first.announce(tag)
-        assert reader.canonical(a1) is None and first.canonical(b1) == a1
+        assert _target(reader, a1) is None and _target(first, b1) == a1
         # at the end of a run, lingering peers count too: b is held by two again (one of them done)
-        assert reader.canonical(a1, counting_done=True) == b2 and first.canonical(b1, counting_done=True) is None
+        assert _target(reader, a1, counting_done=True) == b2 and _target(first, b1, counting_done=True) is None
 
 
 @pytest.mark.timeout(60)
@@ -211,14 +211,16 @@ def test_a_split_into_lone_peers_heals_under_the_default_quorum():
             for tag in history:
                 assert member.announce(tag)
         # three lineages of one: the smallest checksum at round 1, the latest all of them reached, is a's
-        assert reader.canonical(c1) == a1 and second.canonical(b2) == a1 and first.canonical(a1) is None
+        assert _target(reader, c1) == a1 and _target(second, b2) == a1 and _target(first, a1) is None
+        assert reader.canonical(c1).quorum == 1  # its download then needs the one key the lineage holds
         reader.admits = lambda peer: peer != first.peer_id  # a reader that banned a's peer: b1 < c1, b's furthest
-        assert reader.canonical(c1) == b2
+        assert _target(reader, c1) == b2
         reader.admits = lambda peer: True
         first.states = []
         for tag in (s0, b1):  # a lineage of 2 (first at round 1, second at 2) against the reader's
             assert first.announce(tag)
-        assert reader.canonical(c1) == b1  # b2 has 1 voucher of the 2 the lineage holds: not offered
+        assert _target(reader, c1) == b1  # b2 has 1 voucher of the 2 the lineage holds: not offered
+        assert reader.canonical(c1).quorum == 2
 
 
 @pytest.mark.timeout(60)
@@ -232,13 +234,13 @@ def test_a_peer_that_left_a_lineage_vouches_only_for_the_one_it_took():
         for member, history in ((reader, [s0, a1]), (first, [s0, a1]), (second, [s0, b1])):
             for tag in history:
                 assert member.announce(tag)
-        assert reader.canonical(a1) is None and second.canonical(b1) == a1  # a: 2 against 1
+        assert _target(reader, a1) is None and _target(second, b1) == a1  # a: 2 against 1
         first.left_lineage()  # first moves to b (say, it read another split) and announces it
         assert first.announce(b1) and first.states == [b1]
-        assert reader.canonical(a1) == b1  # b: 2 against 1, and the split is still seen
+        assert _target(reader, a1) == b1  # b: 2 against 1, and the split is still seen
         first.states = [s0, a1, b1]  # had it kept vouching for a1, the two lineages would read as one
         assert first.announce(b1)
-        assert reader.canonical(a1) is None
+        assert _target(reader, a1) is None
 
 
 @pytest.mark.timeout(60)
@@ -306,6 +308,12 @@ def test_a_heartbeat_right_after_a_store_stores_nothing_and_a_fresh_read_may_ser
         assert writer.announce(RoundTag(3, "f" * 16))
         assert reader.others(max_age=60.0)[keys[1].peer_id]["round"] == 2  # the last read, reused
         assert reader.others()[keys[1].peer_id]["round"] == 3  # a new one
+
+
+def _target(member, mine, **kw):
+    """The state ``member``'s heal would take (Membership.canonical), or None."""
+    heal = member.canonical(mine, **kw)
+    return heal.target if heal is not None else None
 
 
 @contextlib.contextmanager

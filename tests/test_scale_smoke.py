@@ -81,3 +81,16 @@ def test_a_run_whose_last_round_split_ends_on_one_state(tmp_path: Path) -> None:
             assert case["healed_at_end"] >= 1, case
             return
     pytest.fail(f"the round did not split in {SPLIT_TRIES} runs, so the heal was not exercised: {runs}")
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(DEADLINE + 60)
+def test_a_run_split_into_lone_peers_ends_on_one_state(tmp_path: Path) -> None:
+    """3 peers, one round of one peer each (rounds capped at 1): each ends the round on its own state, three lineages
+    of one key. The end-of-run heal takes the canonical one (the smallest checksum) though only its holder vouches
+    for it: under swarm.state_quorum 2 that lineage's state was refused, and the run ended on 3 states (measured
+    before the fix: final_states 3, healed_at_end 0), as 3 honest peers did in CI after a round that failed for all."""
+    case = _harness(tmp_path / "lone.json", "--peers", "3", "--group", "1", "--per-process", "3", "--rounds", "1",
+                    "--h", "2", "--timeout", "300", "--set", "swarm.max_round_peers=1",
+                    "--set", "swarm.min_group_size=1")  # fmt: skip
+    assert case["final_states"] == 1 and case["healed_at_end"] == 2, (case, _heal_lines(Path(case["workdir"])))

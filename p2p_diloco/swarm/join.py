@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -49,7 +49,7 @@ from p2p_diloco.swarm.standing import Standing
 from p2p_diloco.swarm.sync import StateSync, Vouches
 from p2p_diloco.swarm.validators import MAX_STATES, States, owner_subkey
 
-__all__ = ["Announcements", "Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
+__all__ = ["Announcements", "Heal", "Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
 log = logging.getLogger("p2p_diloco.join")
 START_POLL_MAX = 10.0  # the most seconds between two reads of the run's members while round 1 waits for its peers
@@ -72,6 +72,14 @@ class PeerOptions:
     use_auto_relay: bool = False  # look for relays and announce relayed addresses (behind NAT)
     in_thread: bool = False  # the DHT node and the averager as threads of this process (many peers in one process)
     stop: threading.Event = field(default_factory=threading.Event)
+
+
+class Heal(NamedTuple):
+    """A split's heal (Membership.canonical): the canonical lineage's state to take, and how many keys must vouch
+    for it (``swarm.state_quorum``, or the lineage's keys when fewer)."""
+
+    target: RoundTag
+    quorum: int
 
 
 class Announcements:
@@ -402,12 +410,13 @@ class Membership(Announcements):
         horizon = time.monotonic() - self.LIVE
         return not any(seen > horizon for seen in list(self._averaging_seen.values()))
 
-    def canonical(self, mine: RoundTag, counting_done: bool = False) -> RoundTag | None:
-        """The state to move to when the live peers with our settings (us included) hold two or more lineages of the
-        outer state and ours is not the canonical one (lineage.py); else None. The canonical lineage's furthest state
-        that the swarm offers (``swarm.state_quorum`` vouch for it, or all the lineage's peers when fewer, and a live
-        peer holds it) is the one to take; None when it offers none of that lineage's states. Measured before this
-        rule: 16 peers split at round 1 ran two lineages side by side for five rounds. ``counting_done``: peers whose
+    def canonical(self, mine: RoundTag, counting_done: bool = False) -> Heal | None:
+        """The state to move to, and the quorum of keys its download needs, when the live peers with our settings (us
+        included) hold two or more lineages of the outer state and ours is not the canonical one (lineage.py); else
+        None. The canonical lineage's furthest state that the swarm offers (``swarm.state_quorum`` vouch for it, or
+        all the lineage's peers when fewer, and a live peer holds it) is the one to take; None when it offers none of
+        that lineage's states. Measured before this rule: 16 peers split at round 1 ran two lineages side by side for
+        five rounds. ``counting_done``: peers whose
         run is over count too, while they linger (the heal at the end of a run, when every peer is done or about to
         be). A peer we banned (``admits``) counts for no lineage."""
         others = self.others()
@@ -429,7 +438,7 @@ class Membership(Announcements):
         quorum = min(self.cfg.swarm.state_quorum, len(chosen[0]))
         offers = self.vouches(others).offers(quorum, None, by_standing=False)
         offered = [tag for tag, _ in offers if tag in chosen[1]]
-        return offered[0] if offered else None  # offers come furthest first
+        return Heal(offered[0], quorum) if offered else None  # offers come furthest first
 
     def finishing(self, last_round: int) -> bool:
         """Whether a live mate with our settings still averages and holds a state at ``last_round`` - 1 or later: its

@@ -55,7 +55,7 @@ from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
 from p2p_diloco.swarm.identity import Admission, Identity, read_authorized_keys
-from p2p_diloco.swarm.join import Membership, PeerOptions, first_state, wait_for_start_peers
+from p2p_diloco.swarm.join import Heal, Membership, PeerOptions, first_state, wait_for_start_peers
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.standing import counted_members
 from p2p_diloco.swarm.sync import StateSync
@@ -332,16 +332,16 @@ class TrainingPeer:
         if self.worker.in_flight:
             return False
         mine = self.sync.tag()
-        target = self.members.canonical(mine)
-        if target is None:
+        heal = self.members.canonical(mine)
+        if heal is None:
             return False
-        log.warning("the swarm split: more peers hold the lineage of %s than ours (%s); taking it", target, mine)
-        return self._take_lineage(target, "moving to the swarm's canonical lineage", wait=False)
+        log.warning("the swarm split: more peers hold the lineage of %s than ours (%s); taking it", heal.target, mine)
+        return self._take_lineage(heal, "moving to the swarm's canonical lineage", wait=False)
 
-    def _take_lineage(self, target: RoundTag, why: str, wait: bool) -> bool:
-        """Take ``target``, a state of another lineage, and announce it at once, vouching for it alone
+    def _take_lineage(self, heal: Heal, why: str, wait: bool) -> bool:
+        """Take ``heal.target``, a state of another lineage, and announce it at once, vouching for it alone
         (Membership.left_lineage); whether the swarm offered it. ``wait``: until a DHT node stored the announcement."""
-        if not self.sync.take(target, why):
+        if not self.sync.take(heal.target, why, heal.quorum):
             return False
         self.members.left_lineage()
         self.members.announce(self.sync.tag(), wait=wait)
@@ -418,10 +418,10 @@ class TrainingPeer:
             # moments, so a split judged on a read older than the one that found them done can be missed (seen in 2
             # of 12 runs the other way round: the last read showed the 2 + 2 split, all done, and the peer stayed)
             settled = not self.members.finishing(mine.round)
-            target = self.members.canonical(mine, counting_done=True)
-            if target is not None:
-                log.warning("the run ended split: more peers hold the lineage of %s than ours (%s)", target, mine)
-                if self._take_lineage(target, "the run ended split: moving to the canonical lineage", wait=True):
+            heal = self.members.canonical(mine, counting_done=True)
+            if heal is not None:
+                log.warning("the run ended split: more peers hold the lineage of %s than ours (%s)", heal.target, mine)
+                if self._take_lineage(heal, "the run ended split: moving to the canonical lineage", wait=True):
                     left = left or mine
                     self._checkpoint()
                     continue

@@ -230,24 +230,32 @@ class StateSync:
         return self.worker.tag()
 
     # ---------------------------------------------------------------- fetching
-    def fetch(self, wanted: Callable[[RoundTag], bool] = lambda tag: True, by_standing: bool = True) -> Offer | None:
-        """The furthest state the swarm vouches for (Vouches.offers) that ``wanted`` accepts and that is not ours, in
-        pieces from its holders (``fetch_vouched``); None (logged) when there is none within ``swarm.state_timeout``.
-        When every state offered failed, e.g. its holders moved on to the next round's while we asked, it reads the
-        vouches again and tries the states offered since (MOVED_ON_RETRIES times at most)."""
+    def fetch(
+        self, wanted: Callable[[RoundTag], bool] = lambda tag: True, by_standing: bool = True, quorum: int = 0
+    ) -> Offer | None:
+        """The furthest state the swarm vouches for (Vouches.offers; ``quorum`` keys or standing, 0: the
+        ``swarm.state_quorum`` this was made with) that ``wanted`` accepts and that is not ours, in pieces from its
+        holders (``fetch_vouched``); None (logged) when there is none within ``swarm.state_timeout``. When every state
+        offered failed, e.g. its holders moved on to the next round's while we asked, it reads the vouches again and
+        tries the states offered since (MOVED_ON_RETRIES times at most)."""
         deadline, tried, shapes = time.monotonic() + self.timeout, set(), self.worker.state.tensors()
+        quorum = quorum or self.quorum
         untried = lambda tag: tag not in tried and wanted(tag)  # noqa: E731
         for attempt in range(1 + self.MOVED_ON_RETRIES):
             if attempt:
                 time.sleep(self.MOVED_ON_PAUSE)
             vouches, mine = self.vouches(), self.tag()
-            offered = {tag for tag, _ in vouches.offers(self.quorum, mine, by_standing) if tag != mine and untried(tag)}
+            offered = {tag for tag, _ in vouches.offers(quorum, mine, by_standing) if tag != mine and untried(tag)}
             left = deadline - time.monotonic()
             if not offered or left <= 0:
+                if not attempt:  # say why the states we want are not offered (fetch_vouched would)
+                    for tag, why in sorted(vouches.refusals(quorum, mine, by_standing).items()):
+                        if wanted(tag):
+                            log.warning("not downloading %s: %s", tag, why)
                 return None
             if attempt:
                 log.info("the state's holders moved on: trying %s", ", ".join(map(str, sorted(offered))))
-            args = (self.fingerprint, self.quorum, left, untried, mine, by_standing)
+            args = (self.fingerprint, quorum, left, untried, mine, by_standing)
             got = fetch_vouched(self.averager, vouches, shapes, *args)
             if got is not None:
                 return got
@@ -285,11 +293,11 @@ class StateSync:
         self.adopt(offer, "download")
         return True
 
-    def take(self, wanted: RoundTag, why: str) -> bool:
-        """Take the state ``wanted`` (the canonical lineage's, Membership.canonical) if ``swarm.state_quorum`` keys
-        vouch for it (Vouches.offers, not by standing: the lineage was chosen by counting keys); False (logged) when
-        not, or its download fails."""
-        offer = self.fetch(lambda tag: tag == wanted, by_standing=False)
+    def take(self, wanted: RoundTag, why: str, quorum: int) -> bool:
+        """Take the state ``wanted`` (the canonical lineage's, Membership.canonical) if ``quorum`` keys vouch for it
+        (Vouches.offers, not by standing: the lineage was chosen by counting keys); False (logged) when not, or its
+        download fails."""
+        offer = self.fetch(lambda tag: tag == wanted, by_standing=False, quorum=quorum)
         if offer is None:
             return False
         self.adopt(offer, why)
