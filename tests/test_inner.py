@@ -72,6 +72,8 @@ def test_workers_of_different_speeds_end_a_budgeted_round_together_with_the_same
         assert ends[-2] > worker.round_ends_at - 2 * longest - 0.01, (stats.steps, began, longest)
         last_lr = worker.inner.optimizer.param_groups[0]["lr"]
         assert last_lr <= lr_at(1000 * began, cfg.inner, 4 * 1000) * (1 + 1e-9), (stats.steps, last_lr, began)
+        finished = (ends[-1] - (worker.round_ends_at - span)) / span  # and no later than the clock as it ended
+        assert last_lr >= lr_at(1000 * finished, cfg.inner, 4 * 1000) * (1 - 1e-9), (stats.steps, last_lr, finished)
     # by its step count (a few dozen at most) the slow one would be near the schedule's top; by the clock it is
     # further down the cosine
     by_steps = lr_at(slow_stats.steps, cfg.inner, 4 * 1000)
