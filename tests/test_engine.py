@@ -449,7 +449,9 @@ def test_eager_with_overlap_steps_0_settles_after_as_many_steps_as_the_last_exch
         assert result.reduce.overlap_steps == 1 and result.record()["overlap_steps"] == 1
         # it was done at once: one step and one to spare (a step more when a loaded machine runs its thread late)
         assert worker.overlap_steps in (2, 3), worker.overlap_steps
-        reducer.delay = 5 * pace  # round 2's exchange takes about 5 steps
+        # round 2's exchange takes about 10 of round 1's steps: at least 4 (the bound below) even if a loaded machine
+        # runs this round's steps 4x slower than round 1's (seen: 5 steps' time passed in under 1 of them)
+        reducer.delay = 10 * pace
         result = worker.run_round(reducer, RoundRules())  # settled after 2 steps, waiting for the rest
         assert result.reduce.overlap_steps == 2 and result.reduce.wait_seconds > 0
         slow = worker.overlap_steps
