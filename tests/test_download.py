@@ -270,10 +270,10 @@ def test_donors_refuse_another_state_unaligned_ranges_and_downloads_over_budget(
     assert "no piece" in newcomer.piece(donor.peer_id, (tag[0] + 1, tag[1]), 0, PART_VALUES, 10.0)
     assert "no piece" in newcomer.piece(donor.peer_id, tag, 3, PART_VALUES, 10.0)  # not a part boundary
     assert "no piece" in newcomer.piece(donor.peer_id, tag, 0, 17 * PART_VALUES, 10.0)  # over MAX_PIECE_PARTS
-    # one state a minute: the manifest (1/16) and the piece of another state (1/5) were charged, the malformed
-    # ranges not; 3 more parts of 1/5 fit, the next ones do not
+    # one state a minute: the manifest (1/16) and the asking for a piece of another state (1/16) were charged, the
+    # malformed ranges not; 4 parts of 1/5 fit (15/16 in all), the fifth does not
     pieces = [newcomer.piece(donor.peer_id, tag, k * PART_VALUES, (k + 1) * PART_VALUES, 10.0) for k in range(5)]
-    assert [isinstance(p, torch.Tensor) for p in pieces] == [True] * 3 + [False] * 2, pieces
+    assert [isinstance(p, torch.Tensor) for p in pieces] == [True] * 4 + [False], pieces
     assert torch.equal(pieces[0], swarm["state"].anchor[0].reshape(-1)[:PART_VALUES])
 
 

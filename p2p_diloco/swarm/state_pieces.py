@@ -16,7 +16,8 @@ In pieces (swarm/download.py; the state as one flat fp32 vector, state_parts.py)
 served metadata with its part digests (the unary ``rpc_state_manifest``), ``piece`` values [start, end) of it
 (``rpc_download_piece``: only whole parts, at most MAX_PIECE_PARTS, only while the donor still serves the tag
 asked for; an empty stream otherwise). Each peer's downloads from us are charged against ``max_state_downloads``
-states a minute: a whole download 1, a manifest MANIFEST_COST, a piece its share of the state (at least one part).
+states a minute: a whole download 1, a manifest MANIFEST_COST, a piece its share of the state (at least one part;
+a piece of a state we no longer hold MANIFEST_COST).
 """
 
 from __future__ import annotations
@@ -133,13 +134,16 @@ class StatePiecesMixin:
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         """Values [start, end) of our served state, if it is the (round, checksum) asked for and the range is whole
         parts, at most MAX_PIECE_PARTS of them; charged to the peer's download budget as its share of the state
-        (at least one part; a request for another state is charged too). Anything else, or over budget: an empty
+        (at least one part): MANIFEST_COST for asking, before the host is, and the rest once the piece is served.
+        A request for a state we no longer hold costs the asking only: a downloader racing a peer whose rounds are
+        shorter than a download (seen: a monitor sampling a lone tiny peer, each failed piece asked 3 times) once
+        spent a minute's budget in a few tries at a full share each. Anything else, or over budget: an empty
         stream."""
         want = _piece_request(request.metadata, self.serializer)
         peer, values = str(context.remote_id), self._served_values
         if want is None or (values and not _whole_parts(want[2], want[3], values)):
             return
-        if values and not self._may_download(peer, _piece_cost(want, values)):  # a piece of another state pays too
+        if not self._may_download(peer, MANIFEST_COST):  # asking, as a manifest does
             return
         metadata, tensors, _ = await self._get_current_state_from_host_process()
         meta = self.serializer.loads(metadata).get(_STATE_KEY, {})
@@ -147,7 +151,7 @@ class StatePiecesMixin:
         rnd, checksum, start, end = want
         if (meta.get("round"), meta.get("checksum")) != (rnd, checksum) or not _whole_parts(start, end, total):
             return
-        if not values and not self._may_download(peer, _piece_cost(want, total)):
+        if not self._may_download(peer, max(0.0, _piece_cost(want, total) - MANIFEST_COST)):
             return
         piece = serialize_torch_tensor(read_values(tensors, start, end))
         for part in split_for_streaming(piece, _PIECE_CHUNK_BYTES):
