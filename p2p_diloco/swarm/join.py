@@ -416,9 +416,8 @@ class Membership(Announcements):
         None. The canonical lineage's furthest state that the swarm offers (``swarm.state_quorum`` vouch for it, or
         all the lineage's peers when fewer, and a live peer holds it) is the one to take; None when it offers none of
         that lineage's states. Measured before this rule: 16 peers split at round 1 ran two lineages side by side for
-        five rounds. ``counting_done``: peers whose
-        run is over count too, while they linger (the heal at the end of a run, when every peer is done or about to
-        be). A peer we banned (``admits``) counts for no lineage."""
+        five rounds. ``counting_done``: peers whose run is over count too, while they linger (the heal at the end of a
+        run, when every peer is done or about to be). A peer we banned (``admits``) counts for no lineage."""
         others = self.others()
         counts = (lambda v: bool(v.get("live"))) if counting_done else _averages
         histories = {  # a peer our averager banned (a caught liar) offers no lineage to us

@@ -157,9 +157,7 @@ def fetch_vouched(
     is none within ``timeout``. ``shapes``: tensors of the state's shapes (anchor then momentum; only their shapes are
     read; ``by_standing``: as Vouches.offers). The one download path: StateSync.fetch for a peer, monitor_samples.py
     for the monitor (``mine`` None)."""
-    for tag, why in sorted(vouches.refusals(quorum, mine, by_standing).items()):
-        if wanted(tag):
-            log.warning("not downloading %s: %s", tag, why)
+    _log_refusals(vouches, quorum, mine, by_standing, wanted)
     deadline = time.monotonic() + timeout
     for tag, donors in vouches.offers(quorum, mine, by_standing):
         if tag == mine or not wanted(tag):
@@ -172,6 +170,15 @@ def fetch_vouched(
         if got is not None:
             return Offer(*got)
     return None
+
+
+def _log_refusals(
+    vouches: Vouches, quorum: int, mine: RoundTag | None, by_standing: bool, wanted: Callable[[RoundTag], bool]
+) -> None:
+    """Say why each state ``wanted`` accepts is not offered (Vouches.refusals)."""
+    for tag, why in sorted(vouches.refusals(quorum, mine, by_standing).items()):
+        if wanted(tag):
+            log.warning("not downloading %s: %s", tag, why)
 
 
 class StateSync:
@@ -249,9 +256,7 @@ class StateSync:
             left = deadline - time.monotonic()
             if not offered or left <= 0:
                 if not attempt:  # say why the states we want are not offered (fetch_vouched would)
-                    for tag, why in sorted(vouches.refusals(quorum, mine, by_standing).items()):
-                        if wanted(tag):
-                            log.warning("not downloading %s: %s", tag, why)
+                    _log_refusals(vouches, quorum, mine, by_standing, wanted)
                 return None
             if attempt:
                 log.info("the state's holders moved on: trying %s", ", ".join(map(str, sorted(offered))))
