@@ -84,11 +84,12 @@ from p2p_diloco.checkpoint import save_outer_state
 from p2p_diloco.codec import get_codec, roundtrip_parts
 from p2p_diloco.config import Config, ConfigError, load_config, write_run_metadata
 from p2p_diloco.data import DataError, DataPipeline
-from p2p_diloco.engine import Contribution, ReduceInfo, RoundResult, Worker, evaluate, fp32_bytes_sent
+from p2p_diloco.engine import Worker, evaluate
 from p2p_diloco.inner import InnerStats, NonFiniteLossError
 from p2p_diloco.outer import NonFiniteUpdateError, OuterState
 from p2p_diloco.protocol import Action, Gathered, RoundRules, RoundTag, majority_tag, split_groups
 from p2p_diloco.robust import AggregateStats, aggregate_flat, max_round_tokens, trusted_weight
+from p2p_diloco.rounds import Contribution, ReduceInfo, RoundResult, fp32_bytes_sent
 from p2p_diloco.threads import add_threads_flag, apply_threads
 from p2p_diloco.trackers import Trackers, require
 
@@ -488,7 +489,7 @@ def _diloco_rounds(
 
 
 class _Swarm:
-    """The simulator's stand-in for the swarm's state sharing (engine.SharedState) under fixed H with workers of
+    """The simulator's stand-in for the swarm's state sharing (rounds.SharedState) under fixed H with workers of
     different speeds: ``latest`` is the outer state of the last group whose mean was applied, what a peer that
     catches up or resyncs downloads."""
 

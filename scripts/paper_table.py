@@ -298,7 +298,7 @@ def _warm_bytes(res: dict[str, Any], run: Run) -> int:
     warm = res.get("warm_start") or {}
     if "bytes_sent_per_worker" in warm or warm.get("kind") != "sync":
         return int(warm.get("bytes_sent_per_worker", 0))
-    from p2p_diloco.engine import fp32_bytes_sent  # torch: only for such a cached run
+    from p2p_diloco.rounds import fp32_bytes_sent  # torch: only for such a cached run
 
     return fp32_bytes_sent(res["num_params"], run.workers) * int(warm["steps"])
 

@@ -11,11 +11,12 @@ import torch
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, load_worker_state, save_round
 from p2p_diloco.codec import get_codec, roundtrip_parts
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.engine import ReduceInfo, Worker, fp32_bytes_sent, sparse_advice
+from p2p_diloco.engine import Worker, sparse_advice
 from p2p_diloco.inner import lr_at
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import OuterState
 from p2p_diloco.protocol import Gathered, RoundRules
+from p2p_diloco.rounds import ReduceInfo, fp32_bytes_sent
 from p2p_diloco.simulate import main as simulation_main
 from p2p_diloco.simulate import simulate
 

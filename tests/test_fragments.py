@@ -10,9 +10,10 @@ import torch
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_worker_state, save_round
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.engine import Contribution, ReduceInfo, Worker
+from p2p_diloco.engine import Worker
 from p2p_diloco.fragments import Fragments
 from p2p_diloco.protocol import Gathered, RoundRules
+from p2p_diloco.rounds import Contribution, ReduceInfo
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

@@ -18,10 +18,11 @@ from test_swarm import records, start_peer
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.engine import ReduceInfo, Worker
+from p2p_diloco.engine import Worker
 from p2p_diloco.inner import NonFiniteLossError
 from p2p_diloco.outer import OuterState
 from p2p_diloco.protocol import Gathered, RoundRules
+from p2p_diloco.rounds import ReduceInfo
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested, Verdict
 from p2p_diloco.swarm.sync import Offer, StateSync
 

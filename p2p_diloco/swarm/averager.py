@@ -66,8 +66,8 @@ from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 
 from p2p_diloco.codec import get_codec
-from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.protocol import Gathered, RoundRules, RoundTag
+from p2p_diloco.rounds import ReduceInfo
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
 from p2p_diloco.swarm.aggregate import AggregateMixin
 from p2p_diloco.swarm.butterfly import WireCodec

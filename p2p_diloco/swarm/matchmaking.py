@@ -39,8 +39,8 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.protocol import RoundTag
+from p2p_diloco.rounds import ReduceInfo
 
 __all__ = ["BAN_SECONDS", "MatchmakingMixin", "ask_host"]
 

@@ -45,11 +45,12 @@ import torch
 from p2p_diloco.checkpoint import CheckpointError, latest_checkpoint, load_outer_state, save_round
 from p2p_diloco.config import Config, ConfigError, write_run_metadata
 from p2p_diloco.data import DataPipeline, shard_for_peer
-from p2p_diloco.engine import RoundResult, Worker
+from p2p_diloco.engine import Worker
 from p2p_diloco.fingerprint import swarm_fingerprint
 from p2p_diloco.outer import OuterState
 from p2p_diloco.protocol import RoundRules, RoundTag
 from p2p_diloco.robust import max_round_tokens
+from p2p_diloco.rounds import RoundResult
 from p2p_diloco.swarm import reachability
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs

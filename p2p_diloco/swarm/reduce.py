@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.engine import ReduceInfo
 from p2p_diloco.outer import is_finite
 from p2p_diloco.protocol import Gathered, GatherPayload
+from p2p_diloco.rounds import ReduceInfo
 from p2p_diloco.swarm.matchmaking import ask_host
 
 __all__ = ["ALONE", "NO_REACHABLE_MEMBER", "ReduceMixin"]

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.config import Config
-from p2p_diloco.engine import RoundResult
 from p2p_diloco.inner import peak_memory_bytes
+from p2p_diloco.rounds import RoundResult
 from p2p_diloco.swarm.records import PeerRecord, publish_record
 from p2p_diloco.trackers import Trackers
 

@@ -168,8 +168,8 @@ def worker(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     from hivemind.dht import DHT
 
-    from p2p_diloco.engine import fp32_bytes_sent
     from p2p_diloco.protocol import GatherPayload, RoundTag
+    from p2p_diloco.rounds import fp32_bytes_sent
     from p2p_diloco.swarm.averager import PseudoGradAverager
     from p2p_diloco.swarm.dht import wait_for_peers
 
