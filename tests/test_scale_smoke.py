@@ -22,8 +22,10 @@ DEADLINE = 420.0  # the smoke's own --timeout is 400 s; it took 46 s alone here
 
 
 def _harness(out: Path, *args: str) -> dict:
-    """Run scale.py with ``args``, writing ``out``; its one case."""
-    proc = Proc([sys.executable, str(ROOT / "scripts" / "bench" / "scale.py"), *args, "--out", str(out)], cwd=ROOT)
+    """Run scale.py with ``args``, writing ``out``; its one case. The run's logs stay beside ``out`` (its workdir)."""
+    keep = out.with_suffix("")
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "scale.py"), *args, "--out", str(out), "--keep", str(keep)]
+    proc = Proc(argv, cwd=ROOT)
     try:
         try:
             rc = proc.wait(timeout=DEADLINE)

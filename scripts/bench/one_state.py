@@ -5,6 +5,8 @@ Usage:
     python scripts/bench/one_state.py --peers 16 --group 4 --rounds 6 --case wide
     python scripts/bench/one_state.py --peers 3 --rounds 6 --set inner.round_seconds=4 --client 2 --case budgeted
     python scripts/bench/one_state.py --peers 3 --rounds 3 --late 2:8 --case late  # peer 2 starts 8 s after the rest
+    python scripts/bench/one_state.py --peers 4 --rounds 60 --churn 3:22:10 --case churn  # peer 3 SIGKILLed and
+                                                  # restarted (same log dir, same key) every 22 s, 10 times
     python scripts/bench/one_state.py --smoke                                     # 4 peers in groups of 2, 3 rounds
 
 Each case starts a bootstrap and ``--peers`` tiny-preset peers (one shard each, no eval), trains ``--rounds`` rounds
@@ -21,6 +23,12 @@ case, written under its name into scripts/bench/results/one_state.json (``--out`
     bytes_per_round       median payload bytes a peer sent in a round, and the 2(n-1)/n bound in the wire codec
     peak_rss_bytes        the largest sum of every process's RSS (bootstrap, peers and their children), sampled 1/s
     peak_pss_bytes        the same in PSS (shared pages split among their processes: what the machine gives)
+    churn                 with ``--churn K:SECONDS:TIMES`` (peer K SIGKILLed, with its whole process group, SECONDS
+                          after each start and started again with the same command, log dir and key, TIMES times; its
+                          last life runs to the end): per life, its seconds, the rounds it trained, the rounds that
+                          counted in a group of 2 or more, and the seconds from its start to the first that counted
+                          (None: none did); ``locked_out`` counts the lives but the last that lasted SECONDS and
+                          counted no round
 Failure: a peer that exits non-zero or does not finish within ``--timeout`` is noted in the case's ``problem``; every
 process group is killed at the end.
 """
@@ -100,6 +108,37 @@ def summarize(records: list[list[dict[str, Any]]], finals: list[dict[str, Any] |
     }
 
 
+def churn_spec(text: str) -> tuple[int, float, int]:
+    """``--churn K:SECONDS:TIMES`` as (peer, seconds, times); argparse shows the error."""
+    try:
+        k, every, times = text.split(":")
+        spec = int(k), float(every), int(times)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K:SECONDS:TIMES (e.g. 3:22:10)") from None
+    if spec[0] < 0 or spec[1] <= 0 or spec[2] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: K >= 0, SECONDS > 0 and TIMES >= 1")
+    return spec
+
+
+def lives(records: list[dict[str, Any]], starts: list[float], ended: float) -> list[dict[str, Any]]:
+    """Per life of a churned peer (``starts``: the wall times it was started, ``ended``: the run's end), the rounds its
+    metrics.jsonl holds from that life (by their ``time``; a restart appends to the same file)."""
+    out = []
+    for k, begin in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else ended
+        mine = [r for r in records if begin <= float(r["time"]) < end]
+        counted = [r for r in mine if not r.get("lost") and r["decision"] in COUNTED and r["group_size"] > 1]
+        out.append(
+            {
+                "seconds": round(end - begin, 1),
+                "trained": len(mine),
+                "counted": len(counted),
+                "first_counted_after": round(float(counted[0]["time"]) - begin, 1) if counted else None,
+            }
+        )
+    return out
+
+
 def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     env = single_thread_env(1)
     local = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
@@ -118,6 +157,8 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         *args.set,
     ]
     late = dict((int(k), float(s)) for k, s in (item.split(":") for item in args.late))
+    churned, every, times = args.churn if args.churn else (None, 0.0, 0)
+    starts: list[float] = []  # wall times the churned peer was started
     boot = Proc([sys.executable, "-m", "peers.run_bootstrap", *local], env=env)
     procs: list[Proc] = []
     peak, stop = [0, 0], threading.Event()
@@ -142,6 +183,17 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             for s in peer_sets:
                 cmd += ["--set", s]
             procs.append(Proc([*cmd, *flags, "--initial-peers", *initial], env=env))
+            if k == churned:
+                starts.append(time.time())
+        if churned is not None:  # kill and start again, with the same command (log dir, key), every ``every`` s
+            index = order.index(churned)
+            for _ in range(times):
+                time.sleep(max(0.0, starts[-1] + every - time.time()))
+                again = procs[index].args
+                procs[index].kill_group()
+                procs[index] = Proc(again, env=env)
+                starts.append(time.time())
+                print(f"churn: peer {churned} restarted ({len(starts) - 1} of {times})", file=sys.stderr, flush=True)
         for k, p in zip(order, procs, strict=True):
             rc = p.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
             if rc != 0:
@@ -157,6 +209,10 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 (dirs[k] / "stderr.log").write_text(p.stderr)
     out = summarize([read_jsonl(d / "metrics.jsonl") for d in dirs], [read_final(d / "final.json") for d in dirs])
     out.update(peers=args.peers, group=args.group, rounds=args.rounds, sets=args.set, late=args.late)
+    if churned is not None:
+        life = lives(read_jsonl(dirs[churned] / "metrics.jsonl"), starts, time.time())
+        locked = sum(1 for x in life[:-1] if x["counted"] == 0 and x["seconds"] >= every - 1)
+        out["churn"] = {"peer": churned, "every": every, "times": times, "lives": life, "locked_out": locked}
     out.update(
         client=args.client, peak_rss_bytes=peak[0], peak_pss_bytes=peak[1], seconds=round(time.monotonic() - started, 1)
     )
@@ -176,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--h", type=int, default=None, help="inner steps per round (10)")
     p.add_argument("--set", action="append", default=[], help="another --set for every peer (repeatable)")
     p.add_argument("--late", action="append", default=[], help="K:SECONDS: peer K starts that much later")
+    p.add_argument("--churn", type=churn_spec, default=None, help="K:SECONDS:TIMES: kill peer K, start it again")
     p.add_argument("--client", action="append", type=int, default=[], help="peer K runs with --client-mode")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole case (900)")
     p.add_argument("--case", default=None, help="the name the case is written under")
@@ -183,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep every peer's log dir under this directory")
     p.add_argument("--smoke", action="store_true", help=f"seconds-long check of this script: {SMOKE}")
     args = fill_defaults(p.parse_args(argv), DEFAULTS, SMOKE)
+    if args.churn and args.churn[0] >= args.peers:
+        p.error(f"--churn names peer {args.churn[0]}, but there are {args.peers} peers (0 to {args.peers - 1})")
     exit_on_sigterm()
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)

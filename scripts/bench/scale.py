@@ -38,7 +38,8 @@ and the peer's share of its host process about as much again: 138 MB a peer at 1
 more than a 24 GB machine has. ``--p2pd-memory-limit`` under a daemon's live heap (24MiB) does not shrink it: Go's
 collector then runs without pause (~6% of a core per idle daemon).
 Logs: each host process writes its peers' account (p2p_diloco at INFO; with ``--matchmaking-log`` also hivemind's
-matchmaking at DEBUG) to ``host<first peer>.log`` in the run's workdir, named in the result.
+matchmaking at DEBUG) to ``host<first peer>.log`` in the run's workdir, named in the result (``--keep DIR``: DIR, kept;
+else a temporary directory, removed once the result is written).
 Failure: a host process that exits non-zero or a run over ``--timeout`` is noted in ``problem``; every process
 group is killed at the end.
 """
@@ -50,6 +51,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -307,7 +309,8 @@ def summarize(
 
 
 def drive(args: argparse.Namespace) -> dict[str, Any]:
-    workdir = Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"scale{int(time.time())}"
     sets = json.dumps(overrides(args, run_id))
     local = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
@@ -414,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", default=None, help="the name the run is written under (default: the peer count)")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/scale.json)")
     p.add_argument("--smoke", action="store_true", help=f"a short check of this script: {SMOKE}")
+    p.add_argument("--keep", type=Path, default=None, help="work in DIR and keep it (default: a temp dir)")
     p.add_argument("--matchmaking-log", action="store_true", help="hivemind's matchmaking at debug level in host*.log")
     p.add_argument("--dht-policy", help="JSON: the peers' DHT node cache settings instead of dht.NODE_POLICY")
     p.add_argument("--p2pd-memory-limit", help="GOMEMLIMIT for the peers' p2pd, e.g. 24MiB (default none)")
@@ -436,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(found, indent=2))
     print(f"wrote {path}")
+    if args.keep is None:  # the peers' logs and metrics (~1 MB a run): --keep to look at them
+        shutil.rmtree(result["workdir"], ignore_errors=True)
     return 0 if not result["problem"] else 1
 
 
