@@ -22,7 +22,8 @@ from p2p_diloco.codec import get_codec
 from p2p_diloco.config import load_config
 from p2p_diloco.export import export_checkpoint
 from p2p_diloco.outer import OuterState
-from p2p_diloco.simulate import simulate, wire_bytes_sent
+from p2p_diloco.sim_reduce import wire_bytes_sent
+from p2p_diloco.simulate import simulate
 from scripts.procs import Throttle, live_group_members, wait_until
 
 pytestmark = pytest.mark.swarm

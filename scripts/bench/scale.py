@@ -23,7 +23,7 @@ scripts/bench/results/scale.json (``--out`` elsewhere):
     final_states          distinct checksums among the states the peers ended on (final.json, after the end-of-run
                           heal; the last record's when a peer wrote none); healed_at_end: peers that heal moved
     bytes_per_round       median payload bytes a peer sent in a counted round, and that over the 2(n-1)/n bound
-                          (the round's n, in the wire codec: simulate.wire_bytes_sent)
+                          (the round's n, in the wire codec: sim_reduce.wire_bytes_sent)
     dht_per_peer_round    DHT reads and writes per peer per round, from every DHT call of the host processes
                           (announcements, records, vouches, the averager's matchmaking), and the RPCs they cost
                           (``find``: a lookup asked of one node, ``store``: a record sent to one node, replicas
@@ -266,7 +266,7 @@ def summarize(
     from p2p_diloco.config import load_config
     from p2p_diloco.data import DataPipeline
     from p2p_diloco.model import build_model
-    from p2p_diloco.simulate import wire_bytes_sent
+    from p2p_diloco.sim_reduce import wire_bytes_sent
 
     by_step: dict[int, Counter[str]] = {}
     ends: list[float] = []
