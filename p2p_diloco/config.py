@@ -125,7 +125,7 @@ class SwarmConfig:
     run_id: str = "p2p-diloco"
     # A round's matchmaking assembles every peer ready for it, up to max_round_peers; they average in groups of at most
     # target_group_size (each a butterfly all-reduce), whose means are combined part by part, so every peer of the
-    # round applies the same Δ̄ (swarm/butterfly.py). A wider group sends fewer bytes per peer (2(n-1)/n of Δ in one
+    # round applies the same Δ̄ (swarm/combine.py). A wider group sends fewer bytes per peer (2(n-1)/n of Δ in one
     # group), opens more streams and fails more often when one member drops. target_group_size is part of the
     # fingerprint (every member must split a round alike); max_round_peers is not.
     target_group_size: int = 64

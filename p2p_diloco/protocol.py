@@ -279,7 +279,7 @@ def decide(
 def split_groups(reducers: list[bool], width: int) -> list[list[int]]:
     """The members of one round (by index in the round's agreed order) split into groups of at most ``width`` that
     each run their own butterfly; a round of more than ``width`` members combines its groups' means part by part
-    (swarm/butterfly.py), so every member still applies one mean. ``reducers[i]``: whether member i can reduce (client
+    (swarm/combine.py), so every member still applies one mean. ``reducers[i]``: whether member i can reduce (client
     mode cannot). Groups are as even as can be (sizes differ by one at most), and the reducers are spread first, so
     every group holds one (with fewer reducers than ceil(n / width), there are that many groups, wider than
     ``width``). Pure and deterministic: every member computes the same groups from the same round."""

@@ -19,7 +19,7 @@ from p2p_diloco.codec import (
     get_codec,
     roundtrip_parts,
 )
-from p2p_diloco.swarm.butterfly import WireCodec
+from p2p_diloco.swarm.wire import WireCodec
 
 
 def _part(numel: int = 1000, seed: int = 0, scale: float = 1e-3) -> torch.Tensor:

@@ -33,7 +33,7 @@ is the all-reduce of one attempt: averaged parts bitwise equal on every member, 
 bytes counted.
 
 Groups: a round of more than ``target_group_size`` members runs as several groups (protocol.split_groups;
-``_plan``), each its own butterfly, whose means each part's round reducer combines (butterfly.Combiner,
+``_plan``), each its own butterfly, whose means each part's round reducer combines (combine.Combiner,
 ``rpc_combine_part``): one mean for the whole round, bitwise equal on every member of every group, and one vote over
 all of them.
 """
@@ -56,11 +56,13 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2p_diloco.protocol import Gathered, GatherPayload, split_groups
-from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner, PayloadBytes, RoundGroups, part_lengths, part_owners
+from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner
+from p2p_diloco.swarm.combine import RoundGroups, part_lengths, part_owners
 from p2p_diloco.swarm.identity import peer_id_of, verify
 from p2p_diloco.swarm.matchmaking import BAN_SECONDS
 from p2p_diloco.swarm.strikes import STRIKES_TO_BAN
 from p2p_diloco.swarm.vote import _digest
+from p2p_diloco.swarm.wire import PayloadBytes
 
 log = logging.getLogger("p2p_diloco.averager")
 
@@ -180,7 +182,7 @@ class AggregateMixin:
     ) -> _Plan:
         """This member's butterfly in the round: the whole round when it fits in one group (``group_width``: the
         config's target_group_size), else its group of the round (protocol.split_groups) and how the groups' means
-        are combined part by part (butterfly.RoundGroups). The vector is shared evenly among a group's reducers
+        are combined part by part (combine.RoundGroups). The vector is shared evenly among a group's reducers
         (client-mode members reduce nothing), which every member computes alike: declared bandwidths are not used."""
         peers = list(group_info.peer_ids)
         reducers = [m != AveragingMode.CLIENT for m in modes]
@@ -213,7 +215,7 @@ class AggregateMixin:
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> averaging_pb2.DownloadData:
         """Another group's mean of a part this peer is the round reducer of -> the round's mean of it, once every
-        group's came (butterfly.Combiner); an empty reply for a round we are not running, or from a peer not
+        group's came (combine.Combiner); an empty reply for a round we are not running, or from a peer not
         admitted."""
         refused = averaging_pb2.DownloadData()
         try:

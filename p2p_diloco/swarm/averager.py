@@ -70,7 +70,6 @@ from p2p_diloco.protocol import Gathered, RoundRules, RoundTag
 from p2p_diloco.rounds import ReduceInfo
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
 from p2p_diloco.swarm.aggregate import AggregateMixin
-from p2p_diloco.swarm.butterfly import WireCodec
 from p2p_diloco.swarm.dht import children_ignore_sigint
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.in_thread import ThreadOrProcess
@@ -80,6 +79,7 @@ from p2p_diloco.swarm.state_pieces import MANIFEST_COST, MAX_PIECE_PARTS, StateP
 from p2p_diloco.swarm.state_serving import SERVE_GRACE, StateServingMixin, _state_thread_of
 from p2p_diloco.swarm.strikes import Strikes
 from p2p_diloco.swarm.vote import VoteMixin
+from p2p_diloco.swarm.wire import WireCodec
 
 __all__ = [
     "BAN_SECONDS",

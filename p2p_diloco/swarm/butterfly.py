@@ -27,10 +27,11 @@ What differs from the stock runner:
   part's group mean (``robust.aggregate_counted``, with the weight it counted) to the part's round reducer, one
   member of one group (``RoundGroups.leader``), which combines every group's (``robust.combine_groups``), encodes the
   result once and answers every group's reducer with those bytes; members of all groups receive the same bytes
-  (``Combiner``). A group's reducer, or a round reducer, that fails fails the attempt for everyone (the vote);
-- payload bytes are counted where messages meet the transport, both as caller (``_get_peer_stub``: our parts
-  to each reducer and its averaged parts back) and as handler (``rpc_aggregate_part``: a sender's parts and our
-  replies): the protobuf ``ByteSize()`` of each message, before libp2p framing and encryption. The own slice is
+  (combine.py's ``Combiner``). A group's reducer, or a round reducer, that fails fails the attempt for everyone
+  (the vote);
+- payload bytes are counted where messages meet the transport (wire.py), both as caller (``_get_peer_stub``: our
+  parts to each reducer and its averaged parts back) and as handler (``rpc_aggregate_part``: a sender's parts and
+  our replies): the protobuf ``ByteSize()`` of each message, before libp2p framing and encryption. The own slice is
   averaged locally and counts nothing.
 """
 
@@ -40,112 +41,24 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
-from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.codec import Codec, CodecError
-from p2p_diloco.robust import aggregate_counted, combine_groups, trusted_weight
+from p2p_diloco.robust import aggregate_counted, trusted_weight
+from p2p_diloco.swarm.combine import Combiner, RoundGroups, Settled
+from p2p_diloco.swarm.wire import CountingStub, PayloadBytes, WireCodec, counted_messages
 
-__all__ = [
-    "Aggregation",
-    "Combiner",
-    "ExactRunner",
-    "PayloadBytes",
-    "RobustPartReducer",
-    "RoundGroups",
-    "Settled",
-    "WireCodec",
-    "part_lengths",
-    "part_owners",
-]
+__all__ = ["Aggregation", "ExactRunner", "RobustPartReducer"]
 
 log = logging.getLogger("p2p_diloco.butterfly")
-_DTYPE_PREFIX = "p2p_diloco/"  # a part's dtype field names our codec, so a part in another format is refused
-
-
-class WireCodec(CompressionBase):
-    """A codec.Codec as hivemind's compression of the parts a member sends (TensorPartContainer calls
-    ``compress``). Parts keep ``part_size_bytes / 4`` values whatever the codec (the ratio hivemind sizes parts by
-    is 1), so the parts, and the simulator's copy of them, are the same for every codec."""
-
-    compression_type = runtime_pb2.CompressionType.NONE
-
-    def __init__(self, codec: Codec):
-        self.codec = codec
-        # the wire of a group's or a round's mean of a part (``Codec.mean``: a top-k codec's means keep every
-        # nonzero); this wire itself for a dense codec
-        self.means: WireCodec = self if codec.mean == codec else WireCodec(codec.mean)
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False) -> Any:
-        return runtime_pb2.Tensor(
-            buffer=self.codec.encode(tensor),
-            size=tuple(tensor.shape),
-            dtype=_DTYPE_PREFIX + self.codec.name,
-            compression=self.compression_type,
-        )
-
-    def extract(self, serialized: Any) -> torch.Tensor:
-        """The part's fp32 values; CodecError when it is not this codec's encoding of its stated shape."""
-        if serialized.dtype != _DTYPE_PREFIX + self.codec.name:
-            raise CodecError(f"a part in {serialized.dtype!r}, expected {_DTYPE_PREFIX + self.codec.name!r}")
-        shape = tuple(serialized.size)
-        return self.codec.decode(serialized.buffer, math.prod(shape)).view(shape)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return 1.0
-
-
-class PayloadBytes:
-    """Payload bytes sent and received, counted as messages pass. ``totals``: an int64 tensor [sent, received],
-    which may be in shared memory (the averager's host reads it while its process counts); a fresh one if None."""
-
-    SENT, RECEIVED = 0, 1
-
-    def __init__(self, totals: torch.Tensor | None = None):
-        self.totals = torch.zeros(2, dtype=torch.int64) if totals is None else totals
-
-    def add(self, key: int, size: int) -> None:
-        self.totals[key] += size
-
-    @property
-    def sent(self) -> int:
-        return int(self.totals[self.SENT])
-
-    @property
-    def received(self) -> int:
-        return int(self.totals[self.RECEIVED])
-
-
-async def _counted(messages: AsyncIterable[Any], counts: PayloadBytes, key: int) -> AsyncIterator[Any]:
-    """``messages`` passed through; ``counts`` grows by each one's protobuf size as it passes."""
-    async for message in messages:
-        counts.add(key, message.ByteSize())
-        yield message
-
-
-class _CountingStub:
-    """A groupmate's stub whose ``rpc_aggregate_part`` counts the payload bytes both ways into ``counts``."""
-
-    def __init__(self, stub: Any, counts: PayloadBytes):
-        self._stub, self._counts = stub, counts
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stub, name)
-
-    async def rpc_aggregate_part(self, inputs: AsyncIterable[Any], **kwargs: Any) -> AsyncIterator[Any]:
-        replies = await self._stub.rpc_aggregate_part(_counted(inputs, self._counts, PayloadBytes.SENT), **kwargs)
-        return _counted(replies, self._counts, PayloadBytes.RECEIVED)
 
 
 @dataclass(frozen=True)
@@ -165,158 +78,6 @@ class Aggregation:
     max_tokens: int | None = None
     factors: tuple[float, ...] | None = None
     min_cosine: float = -1.0
-
-
-@dataclass(frozen=True)
-class Settled:
-    """A part of the round's mean as its round reducer encoded it (``serialized``, what every member receives) and
-    decoded (``tensor``): members of every group decode the same bytes, so they hold the same values."""
-
-    tensor: torch.Tensor
-    serialized: Any  # runtime_pb2.Tensor
-
-
-def part_lengths(shapes: Sequence[Sequence[int]], part_values: int) -> list[int]:
-    """The round's parts, as hivemind's TensorPartContainer cuts every member's tensors (each tensor flattened and
-    split into ``part_values`` values, the last shorter): the same on every member of every group."""
-    out = []
-    for shape in shapes:
-        numel = math.prod(shape)
-        out += [min(part_values, numel - start) for start in range(0, numel, part_values)]
-    return out
-
-
-def part_owners(lengths: Sequence[int], fractions: Sequence[float]) -> list[int]:
-    """Which member of a group (by index) reduces each part, as TensorPartContainer assigns them from the members'
-    fractions of the vector (partition.py:66-90: a part between two members goes to the one holding more of it)."""
-    total = sum(lengths)
-    pivots = (np.cumsum(fractions) / np.sum(fractions) * total).astype(np.int64)
-    pivots[-1] = total
-    owners, length, member = [], 0, 0
-    for size in lengths:
-        if length + size > pivots[member]:
-            first, overlaps = member, [pivots[member] - length]
-            while length + size > pivots[member]:
-                member += 1
-                overlaps.append(min(length + size, pivots[member]) - pivots[member - 1])
-            owners.append(first + int(np.argmax(overlaps)))
-        else:
-            owners.append(member)
-        length += size
-    return owners
-
-
-@dataclass(frozen=True)
-class RoundGroups:
-    """A round of several groups (protocol.split_groups), as one group's runner sees it.
-
-    ``owners[k][p]``: the peer reducing the round's part ``p`` (``part_lengths``) in group ``k``; ``index``: our group;
-    ``lengths``: the parts' lengths; ``caps[k]``: the most weight group k's mean can stand for (its senders' declared
-    tokens times their factors, for those whose Δ counts); ``call(peer, request)``: that peer's ``rpc_combine_part``
-    (the averager's stub), awaited at most ``timeout`` seconds. Part p's round reducer is ``leader(p)``: its reducer
-    in group ``p mod groups``, so the parts' round reducers spread over the groups."""
-
-    index: int
-    owners: list[list[Any]]
-    lengths: list[int]
-    caps: list[float]
-    call: Callable[[Any, Any], Awaitable[Any]]
-    timeout: float
-
-    def leader(self, part: int) -> Any:
-        return self.owners[part % len(self.owners)][part]
-
-
-class Combiner:
-    """One member's part in combining a round's groups: as a group's reducer it sends its group's mean of each part
-    it reduces, encoded with the wire codec, to that part's round reducer (``combine``); as a round reducer it takes
-    every group's mean of its parts (``serve``; its own group's through the same codec), ``combine_groups`` them in
-    group order, encodes the result once and answers every group's reducer with those bytes, which they hand on to
-    their members. So each part of the round's mean is computed on one machine and every member of every group holds
-    the same bits. A group's mean is refused (the attempt fails) when it comes from a peer that is not that group's
-    reducer of the part or does not decode to the part's length; a weight over the group's cap counts 0."""
-
-    def __init__(
-        self,
-        groups: RoundGroups,
-        peer_id: Any,
-        group_id: bytes,
-        wire: WireCodec,
-        payload_bytes: PayloadBytes,
-        aggregation: Aggregation,
-    ):
-        self.groups, self.peer_id, self.group_id, self.wire = groups, peer_id, group_id, wire
-        self.payload_bytes, self.aggregation = payload_bytes, aggregation
-        self._slots: dict[int, tuple[dict[int, tuple[torch.Tensor, float]], asyncio.Future]] = {}
-
-    async def combine(self, part: int, mean: torch.Tensor, weight: float) -> Settled:
-        """Our group's ``mean`` of ``part`` (standing for ``weight``) -> the round's mean of it."""
-        try:
-            return await self._combine(part, mean, weight)
-        except Exception as exc:
-            log.warning("part %d of the round: no round mean from %s (%r)", part, self.groups.leader(part), exc)
-            raise
-
-    async def _combine(self, part: int, mean: torch.Tensor, weight: float) -> Settled:
-        loop = asyncio.get_event_loop()
-        serialized = await loop.run_in_executor(None, self.wire.means.compress, mean)
-        leader = self.groups.leader(part)
-        if leader == self.peer_id:
-            return await self._offer(part, self.groups.index, self.wire.means.extract(serialized), weight)
-        metadata = {"group_id": self.group_id, "part": part, "group": self.groups.index, "weight": float(weight)}
-        request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(metadata), tensor_part=serialized)
-        self.payload_bytes.add(PayloadBytes.SENT, request.ByteSize())
-        reply = await asyncio.wait_for(self.groups.call(leader, request), self.groups.timeout)
-        self.payload_bytes.add(PayloadBytes.RECEIVED, reply.ByteSize())
-        if not reply.HasField("tensor_part"):
-            raise AllreduceException(f"the round reducer of part {part} refused our group's mean")
-        tensor = self.wire.means.extract(reply.tensor_part)
-        if tuple(tensor.shape) != (self.groups.lengths[part],):
-            raise AllreduceException(f"the round reducer of part {part} sent {tuple(tensor.shape)} values")
-        return Settled(tensor, reply.tensor_part)
-
-    async def serve(self, caller: Any, request: Any) -> Any:
-        """Another group's mean of a part we are the round reducer of (``request.metadata``: the round's
-        ``group_id``, the ``part``, the sender's ``group`` and the ``weight`` its mean stands for) -> the round's mean
-        of it, or an empty reply (a refusal)."""
-        self.payload_bytes.add(PayloadBytes.RECEIVED, request.ByteSize())
-        refused = averaging_pb2.DownloadData()
-        try:
-            meta = MSGPackSerializer.loads(request.metadata) if len(request.metadata) <= 256 else None
-            part, group, weight = int(meta["part"]), int(meta["group"]), float(meta["weight"])
-            groups = self.groups
-            valid = 0 <= part < len(groups.lengths) and 0 <= group < len(groups.owners) and group != groups.index
-            if not valid or groups.owners[group][part] != caller or groups.leader(part) != self.peer_id:
-                return refused
-            tensor = self.wire.means.extract(request.tensor_part)
-            if tuple(tensor.shape) != (groups.lengths[part],):
-                return refused
-        except Exception:  # noqa: BLE001 - a stranger's bytes: refused, never raised
-            return refused
-        if not (math.isfinite(weight) and 0 <= weight <= groups.caps[group]):
-            weight = 0.0  # a group's mean can stand for no more than its senders' tokens
-        try:
-            settled = await asyncio.wait_for(self._offer(part, group, tensor, weight), self.groups.timeout)
-        except (asyncio.TimeoutError, AllreduceException):
-            return refused
-        reply = averaging_pb2.DownloadData(tensor_part=settled.serialized)
-        self.payload_bytes.add(PayloadBytes.SENT, reply.ByteSize())
-        return reply
-
-    async def _offer(self, part: int, group: int, mean: torch.Tensor, weight: float) -> Settled:
-        if part not in self._slots:
-            self._slots[part] = ({}, asyncio.get_event_loop().create_future())
-        means, done = self._slots[part]
-        if group in means:
-            raise AllreduceException(f"group {group} sent part {part} twice")
-        means[group] = (mean, weight)
-        if len(means) == len(self.groups.owners) and not done.done():
-            order = range(len(self.groups.owners))
-            rule, clip = self.aggregation.rule, self.aggregation.clip
-            result = combine_groups([means[k][0] for k in order], [means[k][1] for k in order], rule, clip)
-            serialized = self.wire.means.compress(result)
-            done.set_result(Settled(self.wire.means.extract(serialized), serialized))
-        return await asyncio.shield(done)
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -445,7 +206,9 @@ class ExactRunner(AllReduceRunner):
                 raise AllreduceException("this group's parts are not owned as the round's plan says")
             index = self.ordered_peer_ids.index(self.peer_id)
             first_part = sum(container.num_parts_by_peer[:index])
-            self.combiner = Combiner(groups, self.peer_id, self.group_id, self.wire, self.payload_bytes, aggregation)
+            self.combiner = Combiner(
+                groups, self.peer_id, self.group_id, self.wire, self.payload_bytes, aggregation.rule, aggregation.clip
+            )
         self.tensor_part_reducer = RobustPartReducer(
             shapes,
             len(self.sender_peer_ids),
@@ -495,11 +258,11 @@ class ExactRunner(AllReduceRunner):
 
     def _get_peer_stub(self, peer: Any) -> Any:
         """Our parts to that reducer and its averaged parts back: counted as they pass (allreduce.py:216)."""
-        return _CountingStub(super()._get_peer_stub(peer), self.payload_bytes)
+        return CountingStub(super()._get_peer_stub(peer), self.payload_bytes)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: P2PContext) -> AsyncIterator[Any]:
         """A sender's parts to our reducer and our replies to it (averaged parts or a refusal), counted."""
-        requests = _counted(stream, self.payload_bytes, PayloadBytes.RECEIVED)
+        requests = counted_messages(stream, self.payload_bytes, PayloadBytes.RECEIVED)
         async with contextlib.aclosing(super().rpc_aggregate_part(requests, context)) as replies:
             async for reply in replies:
                 self.payload_bytes.add(PayloadBytes.SENT, reply.ByteSize())

@@ -1,4 +1,4 @@
-"""The round's parts and who reduces them (swarm/butterfly.py), as hivemind's TensorPartContainer cuts them: every
+"""The round's parts and who reduces them (swarm/combine.py), as hivemind's TensorPartContainer cuts them: every
 member computes every group's owners from the round alone, so the plan must match what the container does."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hivemind.averaging.load_balancing import hagenbach_bishoff
 from hivemind.averaging.partition import TensorPartContainer
 
-from p2p_diloco.swarm.butterfly import part_lengths, part_owners
+from p2p_diloco.swarm.combine import part_lengths, part_owners
 
 SHAPES = [(40, 50), (3000,), (7, 11, 13), (1,), (1025,)]
 
