@@ -286,80 +286,100 @@ _CHOICES = {
 }
 
 
+def _need(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: must be {allowed}")
+
+
 def _check_ranges(cfg: Config) -> None:
-    """Cross-field and range checks; each failure names the field and what is allowed."""
-
-    def need(ok: bool, name: str, value: Any, allowed: str) -> None:
-        if not ok:
-            raise ConfigError(f"{name}={value!r} is invalid: must be {allowed}")
-
+    """Cross-field and range checks, section by section; each failure names the field and what is allowed."""
     for name, value in _flatten(cfg.to_dict()).items():
         if name in _CHOICES:
-            need(value in _CHOICES[name], name, value, "one of " + ", ".join(_CHOICES[name]))
-    m, d, i, o, t, s = cfg.model, cfg.data, cfg.inner, cfg.outer, cfg.train, cfg.swarm
+            _need(value in _CHOICES[name], name, value, "one of " + ", ".join(_CHOICES[name]))
+    _check_model(cfg.model)
+    _check_data(cfg.data, cfg.model)
+    _check_steps(cfg.inner, cfg.outer, cfg.train)
+    _check_swarm(cfg.swarm)
+    _check_logging(cfg.logging)
+
+
+def _check_model(m: ModelConfig) -> None:
+    """The model's sizes and device."""
     for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
-        need(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), ">= 1")
-    need(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size, "a multiple of model.num_heads")
-    need(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads, "a divisor of model.num_heads")
-    need(
+        _need(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), ">= 1")
+    _need(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size, "a multiple of model.num_heads")
+    _need(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads, "a divisor of model.num_heads")
+    _need(
         m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"),
         "model.device",
         m.device,
         "auto, cpu, cuda or cuda:N",
     )
-    need(d.seq_len >= 2, "data.seq_len", d.seq_len, ">= 2")
-    need(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"<= model.max_seq_len ({m.max_seq_len})")
-    need(d.batch_size >= 1, "data.batch_size", d.batch_size, ">= 1")
-    need(0.0 < d.eval_fraction < 1.0, "data.eval_fraction", d.eval_fraction, "in (0, 1)")
-    need(d.eval_batches >= 1, "data.eval_batches", d.eval_batches, ">= 1")
-    need(d.dirichlet_alpha > 0, "data.dirichlet_alpha", d.dirichlet_alpha, "> 0")
-    need(d.num_shards >= 1, "data.num_shards", d.num_shards, ">= 1")
+
+
+def _check_data(d: DataConfig, m: ModelConfig) -> None:
+    """The data pipeline's sizes, shards and source."""
+    _need(d.seq_len >= 2, "data.seq_len", d.seq_len, ">= 2")
+    _need(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"<= model.max_seq_len ({m.max_seq_len})")
+    _need(d.batch_size >= 1, "data.batch_size", d.batch_size, ">= 1")
+    _need(0.0 < d.eval_fraction < 1.0, "data.eval_fraction", d.eval_fraction, "in (0, 1)")
+    _need(d.eval_batches >= 1, "data.eval_batches", d.eval_batches, ">= 1")
+    _need(d.dirichlet_alpha > 0, "data.dirichlet_alpha", d.dirichlet_alpha, "> 0")
+    _need(d.num_shards >= 1, "data.num_shards", d.num_shards, ">= 1")
     if d.shard_index is not None:
-        need(0 <= d.shard_index < d.num_shards, "data.shard_index", d.shard_index, f"in [0, {d.num_shards})")
+        _need(0 <= d.shard_index < d.num_shards, "data.shard_index", d.shard_index, f"in [0, {d.num_shards})")
     if d.max_documents is not None:
-        need(d.max_documents >= 1, "data.max_documents", d.max_documents, ">= 1")
+        _need(d.max_documents >= 1, "data.max_documents", d.max_documents, ">= 1")
     if d.source in ("files", "hub"):
-        need(bool(d.path), "data.path", d.path, f"set when data.source is {d.source!r}")
-    need(i.steps >= 1, "inner.steps", i.steps, ">= 1")
-    need(i.round_seconds >= 0, "inner.round_seconds", i.round_seconds, ">= 0 (0: inner.steps steps per round)")
-    need(i.lr > 0, "inner.lr", i.lr, "> 0")
-    need(len(i.betas) == 2 and all(0 <= b < 1 for b in i.betas), "inner.betas", i.betas, "two numbers in [0, 1)")
-    need(i.weight_decay >= 0, "inner.weight_decay", i.weight_decay, ">= 0")
-    need(i.grad_clip >= 0, "inner.grad_clip", i.grad_clip, ">= 0 (0 disables clipping)")
-    need(i.warmup_steps >= 0, "inner.warmup_steps", i.warmup_steps, ">= 0")
-    need(0 <= i.min_lr_ratio <= 1, "inner.min_lr_ratio", i.min_lr_ratio, "in [0, 1]")
-    need(i.grad_accum >= 1, "inner.grad_accum", i.grad_accum, ">= 1")
-    need(o.lr > 0, "outer.lr", o.lr, "> 0")
-    need(0 <= o.momentum < 1, "outer.momentum", o.momentum, "in [0, 1)")
-    need(o.lr_warmup_rounds >= 0, "outer.lr_warmup_rounds", o.lr_warmup_rounds, ">= 0")
-    need(t.rounds >= 1, "train.rounds", t.rounds, ">= 1")
-    need(t.eval_every >= 0, "train.eval_every", t.eval_every, ">= 0")
-    need(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, ">= 0")
-    need(t.threads >= 0, "train.threads", t.threads, ">= 0 (0: auto, from the cores this process may use)")
+        _need(bool(d.path), "data.path", d.path, f"set when data.source is {d.source!r}")
+
+
+def _check_steps(i: InnerConfig, o: OuterConfig, t: TrainConfig) -> None:
+    """The inner and outer optimizers and the run's rounds, evals, checkpoints and warm start."""
+    _need(i.steps >= 1, "inner.steps", i.steps, ">= 1")
+    _need(i.round_seconds >= 0, "inner.round_seconds", i.round_seconds, ">= 0 (0: inner.steps steps per round)")
+    _need(i.lr > 0, "inner.lr", i.lr, "> 0")
+    _need(len(i.betas) == 2 and all(0 <= b < 1 for b in i.betas), "inner.betas", i.betas, "two numbers in [0, 1)")
+    _need(i.weight_decay >= 0, "inner.weight_decay", i.weight_decay, ">= 0")
+    _need(i.grad_clip >= 0, "inner.grad_clip", i.grad_clip, ">= 0 (0 disables clipping)")
+    _need(i.warmup_steps >= 0, "inner.warmup_steps", i.warmup_steps, ">= 0")
+    _need(0 <= i.min_lr_ratio <= 1, "inner.min_lr_ratio", i.min_lr_ratio, "in [0, 1]")
+    _need(i.grad_accum >= 1, "inner.grad_accum", i.grad_accum, ">= 1")
+    _need(o.lr > 0, "outer.lr", o.lr, "> 0")
+    _need(0 <= o.momentum < 1, "outer.momentum", o.momentum, "in [0, 1)")
+    _need(o.lr_warmup_rounds >= 0, "outer.lr_warmup_rounds", o.lr_warmup_rounds, ">= 0")
+    _need(t.rounds >= 1, "train.rounds", t.rounds, ">= 1")
+    _need(t.eval_every >= 0, "train.eval_every", t.eval_every, ">= 0")
+    _need(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, ">= 0")
+    _need(t.threads >= 0, "train.threads", t.threads, ">= 0 (0: auto, from the cores this process may use)")
     if t.warm_start == "none":
-        need(t.warm_start_steps == 0, "train.warm_start_steps", t.warm_start_steps, "0 with train.warm_start=none "
-             "(set train.warm_start=single or sync to warm-start)")  # fmt: skip
-        need(t.warm_start_schedule == "restart", "train.warm_start_schedule", t.warm_start_schedule, "restart with "
-             "train.warm_start=none (set train.warm_start=single or sync to warm-start)")  # fmt: skip
+        _need(t.warm_start_steps == 0, "train.warm_start_steps", t.warm_start_steps, "0 with train.warm_start=none "
+              "(set train.warm_start=single or sync to warm-start)")  # fmt: skip
+        _need(t.warm_start_schedule == "restart", "train.warm_start_schedule", t.warm_start_schedule, "restart with "
+              "train.warm_start=none (set train.warm_start=single or sync to warm-start)")  # fmt: skip
     else:
-        need(t.warm_start_steps >= 1, "train.warm_start_steps", t.warm_start_steps, f">= 1 with train.warm_start="
-             f"{t.warm_start}")  # fmt: skip
-    need(
+        _need(t.warm_start_steps >= 1, "train.warm_start_steps", t.warm_start_steps, f">= 1 with train.warm_start="
+              f"{t.warm_start}")  # fmt: skip
+
+
+def _check_swarm(s: SwarmConfig) -> None:
+    """The swarm's names, group sizes, deadlines, codec, aggregation and failure policy."""
+    _need(
         bool(s.run_id) and "." not in s.run_id and " " not in s.run_id,
         "swarm.run_id",
         s.run_id,
         "a non-empty name without '.' or spaces",
     )
-    need(s.state_quorum >= 1, "swarm.state_quorum", s.state_quorum, ">= 1")
-    need(s.max_state_downloads >= 1, "swarm.max_state_downloads", s.max_state_downloads, ">= 1")
-    need(s.min_group_size >= 1, "swarm.min_group_size", s.min_group_size, ">= 1")
-    need(
+    _need(s.state_quorum >= 1, "swarm.state_quorum", s.state_quorum, ">= 1")
+    _need(s.max_state_downloads >= 1, "swarm.max_state_downloads", s.max_state_downloads, ">= 1")
+    _need(s.min_group_size >= 1, "swarm.min_group_size", s.min_group_size, ">= 1")
+    _need(
         s.target_group_size >= s.min_group_size,
         "swarm.target_group_size",
         s.target_group_size,
         f">= swarm.min_group_size ({s.min_group_size})",
     )
-    need(
+    _need(
         s.max_round_peers >= s.target_group_size,
         "swarm.max_round_peers",
         s.max_round_peers,
@@ -375,50 +395,54 @@ def _check_ranges(cfg: Config) -> None:
         "state_timeout",
         "record_ttl",
     ):
-        need(getattr(s, name) > 0, f"swarm.{name}", getattr(s, name), "> 0 seconds")
-    need(
+        _need(getattr(s, name) > 0, f"swarm.{name}", getattr(s, name), "> 0 seconds")
+    _need(
         s.request_timeout < s.matchmaking_time,
         "swarm.request_timeout",
         s.request_timeout,
         f"< swarm.matchmaking_time ({s.matchmaking_time})",
     )
-    need(s.start_peers >= 1, "swarm.start_peers", s.start_peers, ">= 1")
-    need(s.linger_seconds >= 0, "swarm.linger_seconds", s.linger_seconds, ">= 0 seconds")
-    need(0 <= s.max_staleness <= 8, "swarm.max_staleness", s.max_staleness, "in [0, 8] rounds")
-    need(0 <= s.staleness_decay <= 8, "swarm.staleness_decay", s.staleness_decay, "in [0, 8]")
-    need(
+    _need(s.start_peers >= 1, "swarm.start_peers", s.start_peers, ">= 1")
+    _need(s.linger_seconds >= 0, "swarm.linger_seconds", s.linger_seconds, ">= 0 seconds")
+    _need(0 <= s.max_staleness <= 8, "swarm.max_staleness", s.max_staleness, "in [0, 8] rounds")
+    _need(0 <= s.staleness_decay <= 8, "swarm.staleness_decay", s.staleness_decay, "in [0, 8]")
+    _need(
         s.overlap_steps >= 0,
         "swarm.overlap_steps",
         s.overlap_steps,
         ">= 0 inner steps (0: as many as the exchange takes)",
     )
-    need(0 <= s.overlap_carry <= 1, "swarm.overlap_carry", s.overlap_carry, "in [0, 1]")
-    need(s.fragments >= 1, "swarm.fragments", s.fragments, ">= 1")
-    need(0 <= s.identity_work <= 32, "swarm.identity_work", s.identity_work, "in [0, 32] bits")
-    need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
-    need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
-    need(
+    _need(0 <= s.overlap_carry <= 1, "swarm.overlap_carry", s.overlap_carry, "in [0, 1]")
+    _need(s.fragments >= 1, "swarm.fragments", s.fragments, ">= 1")
+    _need(0 <= s.identity_work <= 32, "swarm.identity_work", s.identity_work, "in [0, 32] bits")
+    _need(s.max_reduce_attempts >= 1, "swarm.max_reduce_attempts", s.max_reduce_attempts, ">= 1")
+    _need(s.part_size_bytes >= 1024, "swarm.part_size_bytes", s.part_size_bytes, ">= 1024")
+    _need(
         s.aggregation_clip > 0 and s.aggregation_clip < float("inf"),
         "swarm.aggregation_clip",
         s.aggregation_clip,
         "a finite number > 0",
     )
-    need(-1 <= s.min_cosine <= 1, "swarm.min_cosine", s.min_cosine, "in [-1, 1] (-1: off)")
-    need(0 < s.feedback_decay <= 1, "swarm.feedback_decay", s.feedback_decay, "in (0, 1]")
+    _need(-1 <= s.min_cosine <= 1, "swarm.min_cosine", s.min_cosine, "in [-1, 1] (-1: off)")
+    _need(0 < s.feedback_decay <= 1, "swarm.feedback_decay", s.feedback_decay, "in (0, 1]")
     if s.aggregation == "median_filter":  # below 1 the median sender itself would count 0
-        need(s.aggregation_clip >= 1, "swarm.aggregation_clip", s.aggregation_clip, ">= 1 for median_filter")
-    need(s.dht_timeout > 0, "swarm.dht_timeout", s.dht_timeout, "> 0 seconds")
-    need(s.max_failed_rounds >= 1, "swarm.max_failed_rounds", s.max_failed_rounds, ">= 1")
-    need(
+        _need(s.aggregation_clip >= 1, "swarm.aggregation_clip", s.aggregation_clip, ">= 1 for median_filter")
+    _need(s.dht_timeout > 0, "swarm.dht_timeout", s.dht_timeout, "> 0 seconds")
+    _need(s.max_failed_rounds >= 1, "swarm.max_failed_rounds", s.max_failed_rounds, ">= 1")
+    _need(
         1 <= s.rollback_after <= s.max_failed_rounds,
         "swarm.rollback_after",
         s.rollback_after,
         f"in [1, swarm.max_failed_rounds ({s.max_failed_rounds})]",
     )
-    need(cfg.logging.log_every >= 0, "logging.log_every", cfg.logging.log_every, ">= 0 (0: a line per round only)")
-    project = cfg.logging.wandb_project
+
+
+def _check_logging(log: LoggingConfig) -> None:
+    """The console and the trackers."""
+    _need(log.log_every >= 0, "logging.log_every", log.log_every, ">= 0 (0: a line per round only)")
+    project = log.wandb_project
     if project is not None:
-        need(
+        _need(
             bool(project.strip()) and "/" not in project,
             "logging.wandb_project",
             project,
