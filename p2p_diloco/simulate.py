@@ -112,33 +112,7 @@ def simulate(
 ) -> dict[str, Any]:
     """Run ``cfg.train.rounds`` rounds of ``mode`` with ``workers`` workers (workers 0 .. attackers-1 doing
     ``attack``, worker k taking ``speeds[k]`` steps per simulated second); write OUT files."""
-    if mode not in MODES:
-        raise ConfigError(f"--mode {mode!r} is invalid: must be one of {', '.join(MODES)}")
-    if attack not in ATTACKS:
-        raise ConfigError(f"--attack {attack!r} is invalid: must be one of {', '.join(ATTACKS)}")
-    if attack != "none" and mode not in ("diloco", "fedavg"):
-        raise ConfigError(f"--attack {attack} needs --mode diloco or fedavg (there is no aggregation in {mode})")
-    if attack != "none" and not (attack_scale > 0 and attack_scale < float("inf")):
-        raise ConfigError(f"--attack-scale {attack_scale!r} is invalid: must be a finite number > 0")
-    if workers < 1:
-        raise ConfigError(f"--workers {workers} is invalid: must be >= 1")
-    if attack != "none" and not 1 <= attackers < workers:
-        raise ConfigError(f"--attackers {attackers} is invalid: must be in [1, {workers - 1}] (some worker is honest)")
-    if speeds is not None and (
-        len(speeds) != workers
-        or not all(math.isfinite(s) and s > 0 for s in speeds)
-        or mode not in ("diloco", "fedavg")
-    ):
-        raise ConfigError(
-            f"--speeds {','.join(map(str, speeds))} is invalid: needs --mode diloco or fedavg and one finite speed > 0 "
-            f"per worker ({workers})"
-        )
-    uneven = speeds is not None and len(set(speeds)) > 1 and cfg.inner.round_seconds <= 0
-    if uneven and (attack != "none" or cfg.swarm.overlap != "none"):
-        raise ConfigError(
-            "--speeds of different workers with fixed H (inner.round_seconds 0) are simulated without --attack and "
-            "with swarm.overlap none only"
-        )
+    uneven = _check_arguments(cfg, mode, workers, attack, attack_scale, speeds, attackers)
     require(cfg.logging)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_shards=workers, shard_index=None))
     if mode == "fedavg":  # FedAvg is DiLoCo with plain outer SGD at lr 1
@@ -253,6 +227,47 @@ def simulate(
     (out / "results.json").write_text(json.dumps(results, indent=2))
     save_outer_state(out / "final_state", pool[0].state, {"mode": mode, "workers": workers})
     return results
+
+
+def _check_arguments(
+    cfg: Config,
+    mode: str,
+    workers: int,
+    attack: str,
+    attack_scale: float,
+    speeds: list[float] | None,
+    attackers: int,
+) -> bool:
+    """ConfigError naming the argument that ``simulate`` cannot run with; whether the workers run at different
+    speeds under fixed H (the straggler rounds)."""
+    if mode not in MODES:
+        raise ConfigError(f"--mode {mode!r} is invalid: must be one of {', '.join(MODES)}")
+    if attack not in ATTACKS:
+        raise ConfigError(f"--attack {attack!r} is invalid: must be one of {', '.join(ATTACKS)}")
+    if attack != "none" and mode not in ("diloco", "fedavg"):
+        raise ConfigError(f"--attack {attack} needs --mode diloco or fedavg (there is no aggregation in {mode})")
+    if attack != "none" and not (attack_scale > 0 and attack_scale < float("inf")):
+        raise ConfigError(f"--attack-scale {attack_scale!r} is invalid: must be a finite number > 0")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers} is invalid: must be >= 1")
+    if attack != "none" and not 1 <= attackers < workers:
+        raise ConfigError(f"--attackers {attackers} is invalid: must be in [1, {workers - 1}] (some worker is honest)")
+    if speeds is not None and (
+        len(speeds) != workers
+        or not all(math.isfinite(s) and s > 0 for s in speeds)
+        or mode not in ("diloco", "fedavg")
+    ):
+        raise ConfigError(
+            f"--speeds {','.join(map(str, speeds))} is invalid: needs --mode diloco or fedavg and one finite speed > 0 "
+            f"per worker ({workers})"
+        )
+    uneven = speeds is not None and len(set(speeds)) > 1 and cfg.inner.round_seconds <= 0
+    if uneven and (attack != "none" or cfg.swarm.overlap != "none"):
+        raise ConfigError(
+            "--speeds of different workers with fixed H (inner.round_seconds 0) are simulated without --attack and "
+            "with swarm.overlap none only"
+        )
+    return uneven
 
 
 def _speeds(text: str | None) -> list[float] | None:

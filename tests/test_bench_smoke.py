@@ -184,7 +184,10 @@ def test_utilisation_smoke(smoke):
     assert case["problem"] == "", case["problem"]
     (r,) = data["rows"]
     assert positive(r["value"]) and r["value"] <= 1.0, r
-    assert all(p is not None and p["complete"] == [True, True] for p in case["per_peer"]), case["per_peer"]
+    # every round's all-reduce complete on both peers; else say what each peer's rounds were and why (its log)
+    keys = ("complete", "attempts", "group_sizes")
+    rounds = [None if p is None else {k: p[k] for k in keys} for p in case["per_peer"]]
+    assert all(p is not None and p["complete"] == [True, True] for p in case["per_peer"]), (rounds, case["log_tail"])
 
 
 @pytest.mark.swarm
