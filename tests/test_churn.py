@@ -2,20 +2,15 @@
 swarm's state and counts in the next rounds, and the run ends on one state (scripts/bench/one_state.py --churn, real
 run_peer processes on 127.0.0.1). The one-state issue (#23) found such a peer locked out by the vouch quorum: 4 peers,
 one restarted every ~22 s, it recorded no round in 4 minutes ("not downloading round 16: fewer than 2 peers vouch for
-it"). That case measured at 456bbd9: every one of its 10 lives counted, the first round 8-17 s after its start."""
+it"). That case measured at 23fe39a: every one of its 10 lives counted, the first round 8-17 s after its start."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_case import bench_case
 
-from scripts.procs import Proc
-
-ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 300.0  # the case's own --timeout is 280 s; it took ~75 s on an idle machine
 
 pytestmark = pytest.mark.swarm
@@ -23,18 +18,9 @@ pytestmark = pytest.mark.swarm
 
 @pytest.mark.timeout(DEADLINE + 60)
 def test_a_peer_killed_and_started_again_counts_in_the_swarm_s_rounds_again(tmp_path: Path) -> None:
-    out, keep = tmp_path / "one_state.json", tmp_path / "run"
+    out = tmp_path / "one_state.json"
     args = ["--peers", "3", "--group", "3", "--rounds", "40", "--h", "3", "--churn", "2:25:1", "--timeout", "280"]
-    proc = Proc([sys.executable, "scripts/bench/one_state.py", *args, "--out", str(out), "--keep", str(keep)], cwd=ROOT)
-    try:
-        try:
-            rc = proc.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"one_state.py did not finish within {DEADLINE:.0f} s\n{proc.describe(40)}")
-        assert rc == 0, proc.describe(40)
-    finally:
-        proc.kill_group()
-    (case,) = json.loads(out.read_text())["cases"].values()
+    case = bench_case("one_state.py", args, out, DEADLINE)
     first, last = case["churn"]["lives"]
     assert first["counted"] >= 1, case  # it was in the swarm's rounds before it was killed
     # started again mid-run, it took the swarm's state and counted: not locked out by the vouch quorum

@@ -8,35 +8,17 @@ matchmaking waits on DHT answers, so it is kept off a machine the other smokes l
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_case import bench_case
 
-from scripts.procs import Proc
-
-ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 420.0  # the smoke's own --timeout is 400 s; it took 46 s alone here
 
 
 def _harness(out: Path, *args: str) -> dict:
     """Run scale.py with ``args``, writing ``out``; its one case. The run's logs stay beside ``out`` (its workdir)."""
-    keep = out.with_suffix("")
-    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "scale.py"), *args, "--out", str(out), "--keep", str(keep)]
-    proc = Proc(argv, cwd=ROOT)
-    try:
-        try:
-            rc = proc.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"scale.py {' '.join(args)} did not finish within {DEADLINE:.0f} s\n{proc.describe(40)}")
-        assert rc == 0, proc.describe(40)
-    finally:
-        if proc.alive():
-            proc.stop(grace=20.0)
-        proc.kill_group()
-    (case,) = json.loads(out.read_text())["cases"].values()
+    case = bench_case("scale.py", list(args), out, DEADLINE)
     assert case["problem"] == "", case["problem"]
     return case
 
