@@ -113,10 +113,20 @@ def assert_payload_near_butterfly_bound(infos: list[dict], codec: Codec = NONE, 
 
     SHAPES fit in one 64 KiB part each; hivemind hands a whole part to the member whose equal share it overlaps
     most, so the slices are the three tensors (2000, 3000, 1001 values), in an order of members we don't know.
-    Protobuf adds a few dozen bytes per message (``slack``).
+    Protobuf adds a few dozen bytes per message (``slack``). A retried round's bytes are summed over its attempts (a
+    failed attempt's were sent all the same) and its slices may fall to other members in each: then the group's
+    total is checked, at least one whole butterfly and at most one per attempt (a fresh-clone CI run retried a
+    3-peer round once on every member: 2.04x the bound in all).
     """
     n, sizes = len(infos), [codec.encoded_size(math.prod(shape)) for shape in SHAPES]
     total = sum(sizes)
+    attempts = max(info["attempts"] for info in infos)
+    if attempts > 1:
+        for key in ("bytes_sent", "bytes_received"):
+            ratio = sum(info[key] for info in infos) / (2 * (n - 1) * total)
+            print(f"{key} / {codec.name} bound, the group's total over {attempts} attempts: {ratio:.4f}")
+            assert 1.0 <= ratio < attempts * (1.0 + slack), (key, [info[key] for info in infos], attempts)
+        return
     bounds = sorted((total - m) + (n - 1) * m for m in sizes)
     for key in ("bytes_sent", "bytes_received"):
         measured = sorted(info[key] for info in infos)
