@@ -121,20 +121,18 @@ def assert_payload_near_butterfly_bound(infos: list[dict], codec: Codec = NONE, 
     n, sizes = len(infos), [codec.encoded_size(math.prod(shape)) for shape in SHAPES]
     total = sum(sizes)
     attempts = max(info["attempts"] for info in infos)
-    if attempts > 1:
-        for key in ("bytes_sent", "bytes_received"):
-            ratio = sum(info[key] for info in infos) / (2 * (n - 1) * total)
-            print(f"{key} / {codec.name} bound, the group's total over {attempts} attempts: {ratio:.4f}")
-            assert 1.0 <= ratio < attempts * (1.0 + slack), (key, [info[key] for info in infos], attempts)
-        return
     bounds = sorted((total - m) + (n - 1) * m for m in sizes)
     for key in ("bytes_sent", "bytes_received"):
         measured = sorted(info[key] for info in infos)
-        ratios = [got / bound for got, bound in zip(measured, bounds, strict=True)]
-        print(f"{key} / {codec.name} bound per member: {[round(r, 4) for r in ratios]}")
-        assert all(1.0 <= r < 1.0 + slack for r in ratios), (key, measured, bounds)
-        assert 1.0 <= sum(measured) / (2 * (n - 1) * total) < 1.0 + slack, (key, measured)
-    assert sum(info["bytes_sent"] for info in infos) == sum(info["bytes_received"] for info in infos), infos
+        if attempts == 1:  # each member's slice is known: its own bound
+            ratios = [got / bound for got, bound in zip(measured, bounds, strict=True)]
+            print(f"{key} / {codec.name} bound per member: {[round(r, 4) for r in ratios]}")
+            assert all(1.0 <= r < 1.0 + slack for r in ratios), (key, measured, bounds)
+        ratio = sum(measured) / (2 * (n - 1) * total)
+        print(f"{key} / {codec.name} bound, the group's total over {attempts} attempt(s): {ratio:.4f}")
+        assert 1.0 <= ratio < attempts * (1.0 + slack), (key, measured, attempts)
+    if attempts == 1:  # a failed attempt's messages may be counted by their sender only
+        assert sum(info["bytes_sent"] for info in infos) == sum(info["bytes_received"] for info in infos), infos
 
 
 def codec_parts(tensors: list[torch.Tensor], codec: Codec) -> list[torch.Tensor]:

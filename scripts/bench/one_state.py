@@ -69,6 +69,11 @@ SMOKE = {"peers": 4, "group": 2, "rounds": 3, "h": 3, "timeout": 300.0, "case": 
 COUNTED = ("apply", "catch_up")
 
 
+def contributed(record: dict[str, Any]) -> bool:
+    """A round whose Δ counted in a group of 2 or more."""
+    return not record.get("lost") and record["decision"] in COUNTED and record["group_size"] > 1
+
+
 def machine_memory(pids: list[int]) -> tuple[int, int]:
     """(RSS, PSS) of ``pids`` and all their descendants, summed (bytes). RSS counts the pages a forked child shares
     with its parent once per process; PSS splits them, so it sums to what the processes take from the machine."""
@@ -98,10 +103,7 @@ def summarize(records: list[list[dict[str, Any]]], finals: list[dict[str, Any] |
         "peer_rounds_trained": trained,
         "lost_peer_rounds": lost,
         "lost_share": lost / trained if trained else None,
-        "contributed": [
-            sum(1 for r in recs if not r.get("lost") and r["decision"] in COUNTED and r["group_size"] > 1)
-            for recs in records
-        ],
+        "contributed": [sum(1 for r in recs if contributed(r)) for recs in records],
         "groups": {str(k): v for k, v in sorted(groups.items())},
         "group_sizes": sorted({r["group_size"] for recs in records for r in recs}),
         "median_bytes_sent": statistics.median(sent) if sent else None,
@@ -127,7 +129,7 @@ def lives(records: list[dict[str, Any]], starts: list[float], ended: float) -> l
     for k, begin in enumerate(starts):
         end = starts[k + 1] if k + 1 < len(starts) else ended
         mine = [r for r in records if begin <= float(r["time"]) < end]
-        counted = [r for r in mine if not r.get("lost") and r["decision"] in COUNTED and r["group_size"] > 1]
+        counted = [r for r in mine if contributed(r)]
         out.append(
             {
                 "seconds": round(end - begin, 1),
