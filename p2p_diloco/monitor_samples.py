@@ -238,9 +238,10 @@ class StateSampler:
         others = self.announcements.others()
         if not others:
             return f"no live peer of run {run!r} has announced itself yet"
-        theirs = next(iter(others.values()))
+        peer, theirs = next(iter(others.items()))
         if theirs.get("fingerprint") != self.fingerprint:
-            fields = fingerprint_differences(self.summary, theirs.get("summary"))[:3] or ["fingerprint"]
+            summary = self.announcements.settings_of(peer)
+            fields = ([] if summary is None else fingerprint_differences(self.summary, summary))[:3] or ["fingerprint"]
             return (
                 f"the {len(others)} peer(s) of run {run!r} run other settings than --config and --set give this "
                 f"monitor ({'; '.join(fields)}): give it the peers' config and --set overrides"

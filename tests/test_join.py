@@ -286,7 +286,8 @@ def test_a_peer_reads_that_the_swarm_has_left_it_behind_from_the_states_its_mate
 def test_a_heartbeat_right_after_a_store_stores_nothing_and_a_fresh_read_may_serve_again():
     """Every stored version of an announcement is one more for every reader to verify: a heartbeat within HEARTBEAT
     seconds of the last store (a ready_at, a round) stores nothing; one later stores it again. A read may serve the
-    questions asked at once (``others(max_age)``); a plain read always asks the DHT."""
+    questions asked at once (``others(max_age)``; the matchmaking's questions: ``read_reuse``); a plain read always
+    asks the DHT."""
     cfg = load_config(TINY, [])
     with _three_members(cfg) as ((reader, writer, _), keys):
 
@@ -308,6 +309,44 @@ def test_a_heartbeat_right_after_a_store_stores_nothing_and_a_fresh_read_may_ser
         assert writer.announce(RoundTag(3, "f" * 16))
         assert reader.others(max_age=60.0)[keys[1].peer_id]["round"] == 2  # the last read, reused
         assert reader.others()[keys[1].peer_id]["round"] == 3  # a new one
+        # the matchmaking's questions, asked at once as an exchange begins, share a read at most read_reuse old
+        reader.read_reuse, read = 60.0, reader._last_read
+        assert writer.finish()  # it averages no more: a new read would expect nobody
+        assert reader.expected_members() == 2 and reader.reachable_members() == 1 and not reader.alone()
+        assert reader.ahead(RoundTag(0, "a" * 16)) == RoundTag(3, "f" * 16) and reader.group_window() > 0.0
+        assert reader._last_read is read  # no new read
+        reader.read_reuse = 0.0
+        assert reader.expected_members() == 1 and reader.reachable_members() == 0 and reader._last_read is not read
+
+
+@pytest.mark.timeout(60)
+def test_what_a_peer_said_already_is_not_stored_again():
+    """Each store costs every node on its way a read of every announcement. A peer announces when its inner steps
+    end, and revises it mid-round: a revision within matchmaking_time / 8 of what it said is not stored; a larger one
+    is, and so is the first estimate of a round after looking for a group, however close. A state announced again
+    unchanged (as a round settles, and once it is hashed) is not stored within half a HEARTBEAT, unless the caller
+    waits for the store."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    cfg = load_config(TINY, [])
+    close, far = cfg.swarm.matchmaking_time / 16, cfg.swarm.matchmaking_time / 4
+    with _three_members(cfg) as ((writer, _, _), _):
+        assert writer.announce(RoundTag(1, "a" * 16))
+        end = get_dht_time() + 30.0
+        for ready_at, stored in [(end, True), (end + close, False), (end + far, True), (end + far - close, False)]:
+            before = writer._stored_at
+            writer.expect_ready(ready_at)
+            assert (writer._stored_at != before) == stored, (ready_at - end, stored)
+        assert writer._value["ready_at"] == end + far  # what the mates read
+        writer.looking()
+        before = writer._stored_at
+        writer.expect_ready(writer.ready_at + close)  # the next round's first estimate: said, however close
+        assert writer._stored_at != before
+        tag, before = RoundTag(2, "b" * 16), writer._stored_at
+        assert writer.announce(tag, wait=False) and writer._stored_at != before  # a new state: stored
+        before = writer._stored_at
+        assert writer.announce(tag, wait=False) and writer._stored_at == before  # the same again: not
+        assert writer.announce(tag) and writer._stored_at != before  # unless the caller waits for it
 
 
 def _target(member, mine, **kw):
@@ -334,7 +373,10 @@ def _three_members(cfg):
                     record_validators=make_validators(cfg.swarm.run_id, key),
                 )
             )
-        yield [Membership(n, cfg, k, "fp", {"k": 1}) for n, k in zip(nodes, keys, strict=True)], keys
+        members = [Membership(n, cfg, k, "fp", {"k": 1}) for n, k in zip(nodes, keys, strict=True)]
+        for member in members:  # each check reads the announcements made just before it (the sharing of one read
+            member.read_reuse = 0.0  # by the matchmaking's questions: its own test)
+        yield members, keys
     finally:
         for node in reversed(nodes):
             shutdown_dht(node)

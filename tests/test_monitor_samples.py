@@ -47,7 +47,7 @@ class _Donors:
 
 
 class _Announcements:
-    """What monitor_samples reads from join.Announcements: the vouches, and the others' announcements."""
+    """What monitor_samples reads from join.Announcements: the vouches, the others' announcements and settings."""
 
     def __init__(self, vouches: Vouches, others: dict | None = None) -> None:
         self.current, self.announced = vouches, others or {}
@@ -57,6 +57,9 @@ class _Announcements:
 
     def others(self) -> dict:
         return self.announced
+
+    def settings_of(self, peer: str) -> dict | None:  # the summary a peer stored with its settings: here, beside
+        return self.announced.get(peer, {}).get("summary")  # its announcement
 
 
 def _served(state: OuterState) -> tuple[dict, list[torch.Tensor]]:

@@ -42,14 +42,18 @@ from p2p_diloco.swarm.validators import (
     fingerprint_key,
     make_validators,
     owner_subkey,
+    settings_key,
 )
 
 RUN = "val-run"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 PLAIN = "stranger-plain"  # a key no schema knows
-FINGERPRINT = {
+SETTINGS = {
     "fingerprint": "f00d" * 4,
     "summary": {"model.hidden_size": 128, "inner.lr": 0.001, "data.name": "tiny", "x.flag": True, "y.none": None},
+}
+FINGERPRINT = {
+    "fingerprint": "f00d" * 4,
     "round": 3,
     "states": [[3, "ab12"], [2, "cd34"]],
     "client": False,
@@ -193,7 +197,6 @@ def test_run_schemas_through_the_whole_validator_set():
     fp = fingerprint_key(RUN)
     assert ok(fp, FINGERPRINT)
     assert ok(fp, dict(FINGERPRINT, states=[]))
-    assert ok(fp, dict(FINGERPRINT, summary={"a": float("nan")}))
     assert ok(fp, dict(FINGERPRINT, client=True))
     assert ok(fp, dict(FINGERPRINT, ready_at=0.0))
     assert ok(fp, dict(FINGERPRINT, done=True))
@@ -214,12 +217,7 @@ def test_run_schemas_through_the_whole_validator_set():
         dict(FINGERPRINT, round=-1),
         dict(FINGERPRINT, round=3.0),
         dict(FINGERPRINT, round=True),
-        dict(FINGERPRINT, summary={f"k{i}": i for i in range(65)}),
-        dict(FINGERPRINT, summary={"k" * 65: 1}),
-        dict(FINGERPRINT, summary={"k": "v" * 257}),
-        dict(FINGERPRINT, summary={"k": [1, 2]}),
-        dict(FINGERPRINT, summary={"k": {"nested": 1}}),
-        dict(FINGERPRINT, summary=[["k", 1]]),
+        dict(FINGERPRINT, summary=SETTINGS["summary"]),  # the summary is read from the settings key only
         dict(FINGERPRINT, states=[[i, "c"] for i in range(9)]),
         dict(FINGERPRINT, states=[[1, "c", 2]]),
         dict(FINGERPRINT, states=[[-1, "c"]]),
@@ -231,6 +229,21 @@ def test_run_schemas_through_the_whole_validator_set():
     for value in bad:
         assert not ok(fp, value), value
     assert not ok(fp, FINGERPRINT, subkey="peer-a")  # announcements are signed now
+    settings = settings_key(RUN)
+    assert ok(settings, SETTINGS) and ok(settings, dict(SETTINGS, summary={"a": float("nan")}))
+    for value in [
+        {k: v for k, v in SETTINGS.items() if k != "summary"},
+        dict(SETTINGS, round=3),  # an announcement's field: not here
+        dict(SETTINGS, fingerprint="x" * 65),
+        dict(SETTINGS, summary={f"k{i}": i for i in range(65)}),
+        dict(SETTINGS, summary={"k" * 65: 1}),
+        dict(SETTINGS, summary={"k": "v" * 257}),
+        dict(SETTINGS, summary={"k": [1, 2]}),
+        dict(SETTINGS, summary={"k": {"nested": 1}}),
+        dict(SETTINGS, summary=[["k", 1]]),
+    ]:
+        assert not ok(settings, value), value
+    assert not ok(settings, SETTINGS, subkey="peer-a")  # signed, as announcements
     # a plain key: anything sane, signed or not
     assert ok(PLAIN, {"whatever": [1, 2]}) and ok(PLAIN, 1.5, subkey="plain-subkey")
 

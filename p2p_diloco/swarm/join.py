@@ -4,10 +4,12 @@ Inputs:  the DHT node, the Config, this peer's fingerprint and its summary (fing
          log dir, ``--resume`` / ``--new-swarm``, the stop Event), a StateSync for downloads.
 Output:  ``Membership``: this peer's announcement under ``{run_id}_fingerprint`` (one signed subkey per peer, its
          owner key: only that key can write it, and the key names the peer id, so nobody announces for another peer;
-         its fingerprint, the summary, its round and the tags of its last 8 outer states, the last one the state
+         its fingerprint, its round and the tags of its last 8 outer states, the last one the state
          it holds, and ``client`` when it runs in client mode (it vouches, but is no donor and leads and reduces
          nothing), and ``done`` once its run is over (``finish``: it lingers as a donor, but no matchmaking waits for
-         it); refreshed after every change of the state and every round) and the others' announcements
+         it); refreshed after every change of the state and every round; its settings summary, read only to name
+         what differs when a fingerprint does, under ``{run_id}_settings``, stored every half swarm.record_ttl) and
+         the others' announcements
          (``vouches``: what sync.py's downloads trust; ``Announcements`` is that reading side alone, for a reader
          that announces nothing: the monitor's samples, monitor_samples.py; ``ahead``: the swarm's state when it has
          left ours too far behind to average with it, which the averager asks before it looks for a group);
@@ -47,7 +49,7 @@ from p2p_diloco.swarm.dht import SwarmSetupError, bounded
 from p2p_diloco.swarm.identity import Identity, signer_of
 from p2p_diloco.swarm.standing import Standing
 from p2p_diloco.swarm.sync import StateSync, Vouches
-from p2p_diloco.swarm.validators import MAX_STATES, States, owner_subkey
+from p2p_diloco.swarm.validators import MAX_STATES, States, fingerprint_key, owner_subkey, settings_key
 
 __all__ = ["Announcements", "Heal", "Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
@@ -94,7 +96,8 @@ class Announcements:
     ) -> None:
         self.dht, self.cfg, self.peer_id = dht, cfg, peer_id
         self.fingerprint, self.authorized = fingerprint, authorized
-        self.key = f"{cfg.swarm.run_id}_fingerprint"
+        self.key = fingerprint_key(cfg.swarm.run_id)
+        self.settings_key = settings_key(cfg.swarm.run_id)
         self.timeout = cfg.swarm.dht_timeout
         # mates with our settings read as averaging (live, not done) -> when (monotonic), by any read; one read as
         # gone (not live, or done) is dropped, one missing from a read is kept: a read can come back partial
@@ -150,9 +153,27 @@ class Announcements:
         self._last_read = (now, out)
         return out
 
-    def mates(self) -> list[dict]:
-        """Announcements of the other peers that share our fingerprint (they can average with us)."""
-        return [v for v in self.others().values() if v.get("fingerprint") == self.fingerprint]
+    def settings_of(self, peer: str) -> dict[str, Any] | None:
+        """The settings summary ``peer`` stored with its fingerprint (fingerprint.py: the fields it hashes), to name
+        what differs from ours; None when it is not found in time or not signed by that peer. A read of its own: only
+        a peer whose fingerprint differs needs it."""
+        found = bounded(
+            lambda: self.dht.get(self.settings_key, latest=True, return_future=True),
+            self.timeout,
+            "reading the run's settings from the DHT",
+            None,
+        )
+        entries = getattr(found, "value", None)
+        for subkey, item in (entries if isinstance(entries, dict) else {}).items():
+            settings = getattr(item, "value", None)
+            if signer_of(subkey) == peer and isinstance(settings, dict):
+                return settings.get("summary")
+        return None
+
+    def mates(self, max_age: float = 0.0) -> list[dict]:
+        """Announcements of the other peers that share our fingerprint (they can average with us); ``max_age``: as
+        ``others``."""
+        return [v for v in self.others(max_age).values() if v.get("fingerprint") == self.fingerprint]
 
     def vouches(self, others: dict[str, dict] | None = None) -> Vouches:
         """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch), with
@@ -180,9 +201,6 @@ class Membership(Announcements):
 
     HISTORY = MAX_STATES  # the tags of our last states we vouch for
     HEARTBEAT = 10.0  # seconds between refreshes of our announcement while the state does not change (``refresh``)
-    # seconds a read of the members may be reused by group_window: the averager asks for the round's size
-    # (expected_members, a new read) and at once for its window, which the same read answers
-    READ_REUSE = 1.0
 
     def __init__(
         self,
@@ -196,6 +214,11 @@ class Membership(Announcements):
     ) -> None:
         super().__init__(dht, cfg, fingerprint, authorized, identity.peer_id)
         self.client, self.summary = client, summary
+        # how old a read of the members the matchmaking's questions may share (alone, ahead, reachable_members,
+        # expected_members, group_wait, group_window): asked within a second of each other as an exchange begins, each
+        # made a read of its own (5 of a peer's 8 reads a round at 16 peers, scale harness); a wait for mates asks
+        # again every quarter of matchmaking_time (matchmaking.py), so each of its polls still reads anew
+        self.read_reuse = cfg.swarm.matchmaking_time / 4
         self.subkey = owner_subkey(identity.public_key)
         self.states: list[RoundTag] = []  # our recent tags, oldest first
         self.ready_at = 0.0  # when our current inner steps end (DHT time; 0.0: not known)
@@ -211,24 +234,29 @@ class Membership(Announcements):
         self._suspects: dict[str, float] = {}
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
         self._stored_at = -math.inf  # when (monotonic) we last stored it
+        self._settings_at = -math.inf  # when (monotonic) we last stored our settings (``_keep_settings``)
         self._lock = threading.Lock()  # announce runs in the main thread and, once a state is hashed, the hashing one
 
     def announce(self, tag: RoundTag, wait: bool = True) -> bool:
         """Store (or refresh) our announcement, vouching for ``tag`` and our previous few; False when no DHT node
-        took it within the deadline. ``wait=False`` hands it to the DHT process and returns at once (True)."""
+        took it within the deadline. ``wait=False`` hands it to the DHT process and returns at once (True), and
+        stores nothing when the announcement is the one stored within half a HEARTBEAT (a round's state is announced
+        as the round settles and again once it is hashed: the same tag, measured as 1 of a peer's 5 stores a round)."""
         with self._lock:
             if not self.states or self.states[-1] != tag:
                 self.states = [t for t in self.states if t != tag][-(self.HISTORY - 1) :] + [tag]
+            previous = self._value
             self._value = value = {
                 "fingerprint": self.fingerprint,
-                "summary": self.summary,
                 "round": tag.round,
                 "states": [[t.round, t.checksum] for t in self.states],
                 "client": self.client,
                 "ready_at": self.ready_at,
                 "done": self.done,
             }
-        return self._store(value, wait)
+            same = value == previous and time.monotonic() - self._stored_at < self.HEARTBEAT / 2
+        self._keep_settings()
+        return True if same and not wait else self._store(value, wait)
 
     def own_tags(self) -> list[RoundTag]:
         with self._lock:
@@ -245,12 +273,16 @@ class Membership(Announcements):
     def expect_ready(self, ready_at: float, patience: float | None = None) -> None:
         """Announce when our current inner steps will end (DHT time), without waiting for the DHT; ``patience``:
         how much later than our own end a mate may be ready and still be waited for (at most half of
-        swarm.round_deadline)."""
+        swarm.round_deadline). A revised estimate within swarm.matchmaking_time / 8 of the one announced this round is
+        not stored again (the mates' waits are at least half of matchmaking_time)."""
+        revised = self._looking_since is None  # a revision of this round's estimate (not the first since looking)
         self._looking_since = None  # a new round's inner steps: not looking for a group
         self._suspects.update(self._silent)
         self._silent = {}
         if patience is not None and math.isfinite(patience):
             self.patience = min(0.5 * self.cfg.swarm.round_deadline, max(0.0, patience))
+        if revised and abs(ready_at - self.ready_at) <= self.cfg.swarm.matchmaking_time / 8:
+            return  # about what we said: a store costs every node on its way a read of every announcement
         self._say_ready_at(ready_at)
 
     def looking(self) -> None:
@@ -298,6 +330,21 @@ class Membership(Announcements):
         verify); the training peer asks every half HEARTBEAT."""
         if self._value is not None and time.monotonic() - self._stored_at >= self.HEARTBEAT:
             self._store(self._value, wait=False)
+        self._keep_settings()
+
+    def _keep_settings(self) -> None:
+        """Store our settings (fingerprint and summary) under ``{run_id}_settings`` when they were not stored within
+        half of swarm.record_ttl, so they never expire while we announce; without waiting."""
+        if time.monotonic() - self._settings_at < self.cfg.swarm.record_ttl / 2:
+            return
+        self._settings_at = time.monotonic()
+        value = {"fingerprint": self.fingerprint, "summary": self.summary}
+        expires = get_dht_time() + self.cfg.swarm.record_ttl
+        try:
+            self.dht.store(self.settings_key, value, expires, subkey=self.subkey, return_future=True)
+        except Exception as exc:  # noqa: BLE001 - a dead DHT pipe: the next refresh stores them again
+            self._settings_at = -math.inf
+            log.warning("storing this peer's settings in the DHT failed: %r", exc)
 
     def _store(self, value: dict[str, Any], wait: bool) -> bool:
         expires = get_dht_time() + self.cfg.swarm.record_ttl
@@ -314,7 +361,7 @@ class Membership(Announcements):
             return True
         return bool(bounded(store, self.timeout, "announcing this peer in the DHT", False))
 
-    def _readiness(self, max_age: float = 0.0) -> tuple[dict[str, float | None], list[float]]:
+    def _readiness(self) -> tuple[dict[str, float | None], list[float]]:
         """(the live mates this round's matchmaking expects, by peer id, when the others will be ready), as seconds
         from now until their announced ``ready_at``: expected are the ones ready now (looking for a group since at most
         ``swarm.matchmaking_time``: 0), the ones whose round ends at most ``patience`` after ours (after we began
@@ -324,11 +371,11 @@ class Membership(Announcements):
         later. A peer our averager will not group with (banned: ``admits``) is neither: waiting for it held every
         round open for the whole window (measured: 20 s a round after a lying reducer was banned); nor is one whose run
         is over (``done``), nor a suspect that has not announced a ``ready_at`` since it fell silent (``suspect``).
-        ``max_age``: as ``others``."""
+        From a read at most ``read_reuse`` old."""
         now, window = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience
         expected, later = {}, []
-        for peer, v in self.others(max_age).items():
+        for peer, v in self.others(self.read_reuse).items():
             at = v.get("ready_at", 0.0)
             if v.get("fingerprint") != self.fingerprint or not _averages(v) or not isinstance(at, float):
                 continue
@@ -369,7 +416,7 @@ class Membership(Announcements):
         that has not said when: until our patience runs out), plus half of swarm.matchmaking_time for the joining;
         at least swarm.matchmaking_time x (1 + log2(1 + expected) / 2). The round's leader assembles as soon as all of
         them joined."""
-        expected, _ = self._readiness(max_age=self.READ_REUSE)  # asked right after expected_members: its read
+        expected, _ = self._readiness()  # asked right after expected_members: its read
         now, mm = get_dht_time(), self.cfg.swarm.matchmaking_time
         bound = (self._looking_since if self._looking_since is not None else now) + self.patience - now
         last = max((bound if d is None else d for d in expected.values()), default=0.0)
@@ -393,7 +440,7 @@ class Membership(Announcements):
         one holds, when it is more than ``swarm.max_staleness`` rounds past ``mine``: the swarm has averaged on
         without us, so our next Δ would not count in its groups (the averager then resyncs instead of looking for
         one); else None."""
-        offers = self.vouches().offers(self.cfg.swarm.state_quorum, None)
+        offers = self.vouches(self.others(self.read_reuse)).offers(self.cfg.swarm.state_quorum, None)
         if offers and offers[0][0].round > mine.round + self.cfg.swarm.max_staleness:
             return offers[0][0]
         return None
@@ -404,7 +451,7 @@ class Membership(Announcements):
         showed averaging within the last LIVE seconds has since read as gone (not live, or done). A round then is
         local at once, instead of a matchmaking with nobody (measured: ~11 s a round with swarm.matchmaking_time=4).
         False when not sure: an unanswered read is not "nobody", nor is a mate missing from one read."""
-        everyone = self._everyone()
+        everyone = self._everyone(self.read_reuse)
         if everyone is None or self.peer_id not in everyone:
             return False
         horizon = time.monotonic() - self.LIVE
@@ -472,19 +519,19 @@ class Membership(Announcements):
     def reachable_members(self) -> int:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
         reduce for a client-mode peer."""
-        return sum(1 for v in self.mates() if _averages(v) and not v.get("client"))
+        return sum(1 for v in self.mates(self.read_reuse) if _averages(v) and not v.get("client"))
 
     def check(self) -> None:
         """Refuse to join a run in which every other peer has other settings; warn about the odd ones out."""
         others = self.others()
         differ = {p: v for p, v in others.items() if v.get("fingerprint") != self.fingerprint}
         if differ and len(differ) == len(others):
-            _, theirs = next(iter(differ.items()))
-            fields = fingerprint_differences(self.summary, theirs.get("summary"))
+            summary = self.settings_of(next(iter(differ)))
+            fields = [] if summary is None else fingerprint_differences(self.summary, summary)
             raise SwarmSetupError(
                 f"this peer's settings differ from the {len(differ)} peer(s) already in run "
                 f"{self.cfg.swarm.run_id!r}, so it would never be grouped with them:\n  "
-                + "\n  ".join(fields or ["fingerprint (no field summary was announced)"])
+                + "\n  ".join(fields or ["fingerprint (their settings summary was not found in the DHT)"])
                 + "\nUse the same config file and --set overrides as the swarm, or pick another swarm.run_id."
             )
         for peer in differ:

@@ -7,8 +7,9 @@ Output:  ``make_validators(run_id, identity)`` -> the list to give ``start_dht(r
            CheckedOnce            signed subkeys (``[owner:<key>]``) writable only by their key (priority 10;
                                   hivemind's RSASignatureValidator, each record's verdict remembered)
            RecordGuard            every key, hivemind's own included (priority 20, so it sees the raw value)
-           CheckedSchema          ``{run_id}_metrics`` and ``{run_id}_fingerprint`` (hivemind's SchemaValidator:
-                                  pydantic.v1, strict types; each record's verdict remembered)
+           CheckedSchema          ``{run_id}_metrics``, ``{run_id}_fingerprint`` and ``{run_id}_settings``
+                                  (hivemind's SchemaValidator: pydantic.v1, strict types; each record's verdict
+                                  remembered)
            MetricsBounds          ``{run_id}_metrics``: the record is its signer's, with sane numbers (priority -10)
          ``owner_subkey(public_key)`` is the subkey a node signs its records with.
 State:   the signing key; ``VERDICTS``, the last verdicts of the pure checks (signature, guard, schema), one memory
@@ -20,8 +21,9 @@ Failure: ``validate`` never raises: a record it cannot parse is refused (False).
 
 What RecordGuard refuses, and why (hivemind 1.1.12):
 - a value over MAX_VALUE_BYTES (64 KiB) or a subkey over MAX_SUBKEY_BYTES (4 KiB). Our biggest value is a
-  fingerprint announcement: ~3 KB in practice, at most ~23 KB by its schema (64 summary entries of 64 + 256
-  characters, 8 states, the signature). Metrics records are ~0.6 KB, hivemind's averager values are a float or a bool.
+  settings record: ~1.2 KB in practice, at most ~21 KB by its schema (64 summary entries of 64 + 256 characters,
+  the signature); an announcement under ``{run_id}_fingerprint`` is ~0.6 KB (8 states, the signature). Metrics
+  records are ~0.6 KB, hivemind's averager values are a float or a bool.
   Subkeys: an owner subkey is ~400 bytes (RSA-2048; ~720 for RSA-4096), a PeerID 38 bytes.
 - an unsigned record (no ``[owner:...]`` in key or subkey) whose value holds ``[signature:``: every node's lookup
   strips that text from every value it returns (``RSASignatureValidator.strip_value``), the rest is no longer
@@ -80,6 +82,7 @@ __all__ = [
     "RecordGuard",
     "MetricsBounds",
     "fingerprint_key",
+    "settings_key",
     "make_validators",
     "owner_subkey",
 ]
@@ -150,6 +153,10 @@ def _content_digest(check: bytes, record: DHTRecord) -> bytes:
 
 def fingerprint_key(run_id: str) -> str:
     return f"{run_id}_fingerprint"
+
+
+def settings_key(run_id: str) -> str:
+    return f"{run_id}_settings"
 
 
 def owner_subkey(public_key: bytes) -> bytes:
@@ -259,11 +266,23 @@ class States(_Checked):
         return value
 
 
-class _FingerprintWire(pydantic_v1.BaseModel):
-    """One peer's announcement under ``{run_id}_fingerprint`` (swarm/join.py's Membership writes it)."""
+class _SettingsWire(pydantic_v1.BaseModel):
+    """One peer's settings under ``{run_id}_settings``: its fingerprint and the fields it hashes (the summary), read
+    only to name what differs when a fingerprint does (swarm/join.py's Membership writes it)."""
 
     fingerprint: pydantic_v1.constr(strict=True, max_length=64)
     summary: _Summary
+
+    class Config:
+        extra = pydantic_v1.Extra.forbid
+
+
+class _FingerprintWire(pydantic_v1.BaseModel):
+    """One peer's announcement under ``{run_id}_fingerprint`` (swarm/join.py's Membership writes it). Read by every
+    peer several times a round, by every DHT node on a lookup's way: what is read only once (the settings summary)
+    lives under ``{run_id}_settings``."""
+
+    fingerprint: pydantic_v1.constr(strict=True, max_length=64)
     round: pydantic_v1.conint(strict=True, ge=0, lt=MAX_STEP)
     states: States
     # a client-mode peer (not reachable): it vouches, but serves no state. Required like every field: hivemind's
@@ -284,6 +303,7 @@ class _RunSchema(pydantic_v1.BaseModel):
     # SchemaValidator(prefix=run_id) maps each field to the DHT key f"{run_id}_{field}"
     metrics: dict[BytesWithPublicKey, _PeerRecordWire]
     fingerprint: dict[BytesWithPublicKey, _FingerprintWire]
+    settings: dict[BytesWithPublicKey, _SettingsWire]
 
 
 # ----------------------------------------------------------------------------------------- metrics bounds

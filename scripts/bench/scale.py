@@ -29,7 +29,8 @@ scripts/bench/results/scale.json (``--out`` elsewhere):
                           (``find``: a lookup asked of one node, ``store``: a record sent to one node, replicas
                           and caching included)
     cpu_per_peer_round    CPU seconds per peer-round: the host processes and their p2pd daemons (the bootstrap
-                          node's too), sampled each second from /proc
+                          node's too), sampled each second from /proc; ``_after_start``: only what they used once
+                          every peer was up (the rounds, the end-of-run heal and linger)
     memory                the machine's peak memory in use (MemTotal - MemAvailable) over the run, less before it;
                           per peer; and the peak summed PSS of the processes
 What fits here: a p2pd holds 60-70 MB of RSS even idle (41 daemons on 127.0.0.1, 8 connections each, 2026-12-05:
@@ -153,13 +154,14 @@ def host(args: argparse.Namespace) -> int:
         logging.getLogger("hivemind.averaging").setLevel(logging.DEBUG)
     from hivemind.dht.protocol import DHTProtocol
 
-    calls = {"get": 0, "store": 0, "find_rpc": 0, "store_rpc": 0}
+    calls: Counter[str] = Counter({"get": 0, "store": 0, "find_rpc": 0, "store_rpc": 0})
     for name in ("get", "store"):  # every DHT read and write of these peers (ours and the averager's matchmaking)
         original = getattr(DHT, name)
 
-        def counted(self: Any, *a: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
+        def counted(self: Any, key: Any, *a: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
             calls[_name] += 1
-            return _original(self, *a, **kw)
+            calls[f"{_name} {key_kind(key)}"] += 1
+            return _original(self, key, *a, **kw)
 
         setattr(DHT, name, counted)
     for name in ("call_find", "call_store"):  # the RPCs they cost, one per node asked
@@ -228,6 +230,15 @@ def host(args: argparse.Namespace) -> int:
         t.join()
     print("HOST " + json.dumps({"results": results, "dht_calls": calls, "start_retries": retried}), flush=True)
     return 0 if all(r == "0" for r in results.values()) else 1
+
+
+def key_kind(key: Any) -> str:
+    """A DHT key without what varies by run and round: 'fingerprint', 'members', 'matchmaking' (group keys)..."""
+    name = str(key).split("_")[-1]  # keys are '<run_id>_<field>', the averager's '<run_id>_<fingerprint>.<suffix>'
+    if "." in name:
+        suffix = name.split(".")[-1]
+        return "matchmaking" if suffix.startswith("0b") else suffix
+    return name
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -329,8 +340,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                 if (seconds := _cpu_seconds(p)) is not None:
                     cpu_seen[p] = (name, seconds)
 
-    problem, started = "", time.monotonic()
-    dht_calls = {"get": 0, "store": 0, "find_rpc": 0, "store_rpc": 0}
+    problem, started, cpu_at_start = "", time.monotonic(), None
+    dht_calls: Counter[str] = Counter({"get": 0, "store": 0, "find_rpc": 0, "store_rpc": 0})
     start_retries = 0
     try:
         initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
@@ -361,6 +372,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                     ]
                 )  # fmt: skip
             )
+        hosts[-1].wait_for_line(r"^HOSTUP", timeout=max(1.0, args.timeout - (time.monotonic() - started)))
+        time.sleep(1.5)  # the sampler's next reading: every peer is up, round 1 begins
+        cpu_at_start = sum(seconds for _, seconds in cpu_seen.values())
         for h in hosts:
             line = h.wait_for_line(r"^HOST ", timeout=max(1.0, args.timeout - (time.monotonic() - started)))
             report = json.loads(line.string[5:])
@@ -394,6 +408,12 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         p2pd_memory_limit=args.p2pd_memory_limit,
         start_retries=start_retries,
         seconds=round(time.monotonic() - started, 1),
+        # the rounds' own cost: after every peer was up (their start-up - keys, p2pd, the DHT's bootstrap - left out)
+        cpu_per_peer_round_after_start=(
+            (sum(cpu.values()) - cpu_at_start) / out["peer_rounds_trained"]
+            if cpu_at_start is not None and out["peer_rounds_trained"]
+            else None
+        ),
         memory={
             "machine_peak_bytes": peak[0],
             "machine_peak_per_peer_bytes": peak[0] / args.peers,
