@@ -138,14 +138,14 @@ def test_a_member_that_fell_silent_in_a_failed_attempt_is_not_waited_for_until_i
         time.sleep(0.05)
         reader.suspect([keys[1].peer_id, keys[2].peer_id])  # neither answered the vote
         assert reader.expected_members() == 3  # the retry of the same round still waits for both
-        alive.looking()  # the live one retries and says it is looking, after the failure
+        alive.expect_ready(get_dht_time())  # the live one says when its next round ends, after the failure
         reader.expect_ready(get_dht_time() + 1.0)  # our next round
         deadline = time.monotonic() + 20
         while reader.expected_members() != 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         expected, later = reader._readiness()
         assert set(expected) == {keys[1].peer_id} and later == [], (expected, later)
-        dead.looking()  # it was not dead after all: it says when it is ready, and is expected again
+        dead.expect_ready(get_dht_time())  # it was not dead after all: it says when it is ready, and is expected again
         while reader.expected_members() != 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert reader.expected_members() == 3
@@ -323,7 +323,8 @@ def test_a_heartbeat_right_after_a_store_stores_nothing_and_a_fresh_read_may_ser
 def test_what_a_peer_said_already_is_not_stored_again():
     """Each store costs every node on its way a read of every announcement. A peer announces when its inner steps
     end, and revises it mid-round: a revision within matchmaking_time / 8 of what it said is not stored; a larger one
-    is, and so is the first estimate of a round after looking for a group, however close. A state announced again
+    is, and so is the first estimate of a round after looking for a group, however close. That it is looking for a
+    group is stored only when the mates would not read it so already (``looking``). A state announced again
     unchanged (as a round settles, and once it is hashed) is not stored within half a HEARTBEAT, unless the caller
     waits for the store."""
     from hivemind.utils.timed_storage import get_dht_time
@@ -341,6 +342,13 @@ def test_what_a_peer_said_already_is_not_stored_again():
         writer.looking()
         before = writer._stored_at
         writer.expect_ready(writer.ready_at + close)  # the next round's first estimate: said, however close
+        assert writer._stored_at != before
+        before = writer._stored_at
+        writer.looking()  # its exchange begins within matchmaking_time / 8 of the end it said: read as ready already
+        writer.looking()  # and while it waits, until that end is half of matchmaking_time past
+        assert writer._stored_at == before
+        writer.ready_at -= 0.6 * cfg.swarm.matchmaking_time  # as if that much time had passed
+        writer.looking()
         assert writer._stored_at != before
         tag, before = RoundTag(2, "b" * 16), writer._stored_at
         assert writer.announce(tag, wait=False) and writer._stored_at != before  # a new state: stored

@@ -54,7 +54,7 @@ from p2p_diloco.swarm.validators import MAX_STATES, States, fingerprint_key, own
 __all__ = ["Announcements", "Heal", "Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
 log = logging.getLogger("p2p_diloco.join")
-START_POLL_MAX = 10.0  # the most seconds between two reads of the run's members while round 1 waits for its peers
+START_POLL_MAX = 30.0  # the most seconds between two reads of the run's members while round 1 waits for its peers
 
 
 @dataclass
@@ -234,6 +234,7 @@ class Membership(Announcements):
         self._suspects: dict[str, float] = {}
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
         self._stored_at = -math.inf  # when (monotonic) we last stored it
+        self.heartbeat = self.HEARTBEAT  # seconds without a store after which ``refresh`` stores (longer: start wait)
         self._settings_at = -math.inf  # when (monotonic) we last stored our settings (``_keep_settings``)
         self._lock = threading.Lock()  # announce runs in the main thread and, once a state is hashed, the hashing one
 
@@ -287,10 +288,19 @@ class Membership(Announcements):
 
     def looking(self) -> None:
         """Announce that we are ready now and looking for a group (as a round's exchange begins, and again while it
-        waits for mates): ``ready_at`` is now, so a mate ending its round meanwhile expects us and does not wait."""
-        now = get_dht_time()
-        if self._looking_since is None:
+        waits for mates): ``ready_at`` is now, so a mate ending its round meanwhile expects us and does not wait.
+        Not stored when the mates read that already: as the exchange begins, when the end we announced is within
+        swarm.matchmaking_time / 8 of now; while it waits, until that moment is half of matchmaking_time past (a
+        ``ready_at`` more than matchmaking_time past reads as "not known": ``_readiness``). Measured before: a store
+        every quarter of matchmaking_time while a wait lasted, each a read of every announcement by each node on its
+        way."""
+        now, mm = get_dht_time(), self.cfg.swarm.matchmaking_time
+        first = self._looking_since is None
+        if first:
             self._looking_since = now
+        said = now - self.ready_at  # how long ago the moment we announced as our end was
+        if -mm / 8 <= said <= (mm / 8 if first else mm / 2):
+            return
         self._say_ready_at(now)
 
     def _say_ready_at(self, ready_at: float) -> None:
@@ -326,9 +336,10 @@ class Membership(Announcements):
 
     def refresh(self) -> None:
         """Store our last announcement again (it says we are still here), unless we stored it within the last
-        HEARTBEAT seconds (every store says so too, and each stored version is one more for every reader to
-        verify); the training peer asks every half HEARTBEAT."""
-        if self._value is not None and time.monotonic() - self._stored_at >= self.HEARTBEAT:
+        ``heartbeat`` seconds (HEARTBEAT; a third of swarm.record_ttl while round 1 waits for its peers: every store
+        says so too, and each stored version is one more for every reader to verify); the training peer asks every
+        half HEARTBEAT."""
+        if self._value is not None and time.monotonic() - self._stored_at >= self.heartbeat:
             self._store(self._value, wait=False)
         self._keep_settings()
 
@@ -591,18 +602,26 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
 
 
 def wait_for_start_peers(members: Membership, cfg: Config, tag: RoundTag, stop: threading.Event) -> None:
-    """Hold round 1 until swarm.start_peers peers of this run are up (bounded by swarm.join_timeout)."""
+    """Hold round 1 until swarm.start_peers peers of this run are up (bounded by swarm.join_timeout). Meanwhile our
+    announcement is refreshed only against its expiry (every third of swarm.record_ttl, not every HEARTBEAT): the
+    count takes every announcement, live or not, and every store costs each DHT node on its way a read of all of
+    them."""
     want, deadline = cfg.swarm.start_peers, time.monotonic() + cfg.swarm.join_timeout
     announced = False
-    while want > 1 and time.monotonic() < deadline and not stop.is_set():
-        seen = 1 + len(members.mates())
-        if seen >= want:
-            log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
-            return
-        announced = announced or members.announce(tag)  # once stored, the heartbeat keeps it fresh
-        # every read returns every peer's announcement: n peers polling at a fixed rate cost the DHT n^2 records a
-        # poll (64 peers at 2 Hz held the scale harness's start for over 600 s, measured), so the more are up, the
-        # slower each one asks
-        stop.wait(min(START_POLL_MAX, 0.5 + seen / 16))
+    members.heartbeat = max(Membership.HEARTBEAT, cfg.swarm.record_ttl / 3)
+    try:
+        while want > 1 and time.monotonic() < deadline and not stop.is_set():
+            seen = 1 + len(members.mates())
+            if seen >= want:
+                log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
+                return
+            announced = announced or members.announce(tag)  # once stored, the heartbeat keeps it from expiring
+            # every read returns every peer's announcement: n peers polling at a fixed rate cost the DHT n^2 records
+            # a poll (64 peers at 2 Hz held the scale harness's start for over 600 s; at 96 up, polls every 6.5 s and
+            # heartbeats every 10 s held the next 16 peers' start for 4 minutes, load 130: measured), so the more are
+            # up, the slower each one asks
+            stop.wait(min(START_POLL_MAX, 0.5 + seen / 8))
+    finally:
+        members.heartbeat = Membership.HEARTBEAT
     if want > 1:
         log.warning("fewer than swarm.start_peers=%d peers after %.0fs: starting anyway", want, cfg.swarm.join_timeout)
