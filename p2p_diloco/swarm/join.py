@@ -54,7 +54,7 @@ from p2p_diloco.swarm.validators import MAX_STATES, States, fingerprint_key, own
 __all__ = ["Announcements", "Heal", "Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
 log = logging.getLogger("p2p_diloco.join")
-START_POLL_MAX = 30.0  # the most seconds between two reads of the run's members while round 1 waits for its peers
+START_POLL_MAX = 10.0  # the most seconds between two reads of the run's members while round 1 waits for its peers
 
 
 @dataclass
@@ -234,7 +234,6 @@ class Membership(Announcements):
         self._suspects: dict[str, float] = {}
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
         self._stored_at = -math.inf  # when (monotonic) we last stored it
-        self.heartbeat = self.HEARTBEAT  # seconds without a store after which ``refresh`` stores (longer: start wait)
         self._settings_at = -math.inf  # when (monotonic) we last stored our settings (``_keep_settings``)
         self._lock = threading.Lock()  # announce runs in the main thread and, once a state is hashed, the hashing one
 
@@ -336,10 +335,9 @@ class Membership(Announcements):
 
     def refresh(self) -> None:
         """Store our last announcement again (it says we are still here), unless we stored it within the last
-        ``heartbeat`` seconds (HEARTBEAT; a third of swarm.record_ttl while round 1 waits for its peers: every store
-        says so too, and each stored version is one more for every reader to verify); the training peer asks every
-        half HEARTBEAT."""
-        if self._value is not None and time.monotonic() - self._stored_at >= self.heartbeat:
+        HEARTBEAT seconds (every store says so too, and each stored version is one more for every reader to
+        verify); the training peer asks every half HEARTBEAT."""
+        if self._value is not None and time.monotonic() - self._stored_at >= self.HEARTBEAT:
             self._store(self._value, wait=False)
         self._keep_settings()
 
@@ -602,26 +600,21 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
 
 
 def wait_for_start_peers(members: Membership, cfg: Config, tag: RoundTag, stop: threading.Event) -> None:
-    """Hold round 1 until swarm.start_peers peers of this run are up (bounded by swarm.join_timeout). Meanwhile our
-    announcement is refreshed only against its expiry (every third of swarm.record_ttl, not every HEARTBEAT): the
-    count takes every announcement, live or not, and every store costs each DHT node on its way a read of all of
-    them."""
+    """Hold round 1 until swarm.start_peers peers of this run are up (bounded by swarm.join_timeout). Our heartbeat
+    goes on meanwhile at its usual rate: round 1's matchmaking expects only the mates that read as live (refreshing
+    only against expiry while waiting, 64 peers began round 1 expecting 17-20 of them, and lost 41 and 61
+    peer-rounds in two runs: measured)."""
     want, deadline = cfg.swarm.start_peers, time.monotonic() + cfg.swarm.join_timeout
     announced = False
-    members.heartbeat = max(Membership.HEARTBEAT, cfg.swarm.record_ttl / 3)
-    try:
-        while want > 1 and time.monotonic() < deadline and not stop.is_set():
-            seen = 1 + len(members.mates())
-            if seen >= want:
-                log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
-                return
-            announced = announced or members.announce(tag)  # once stored, the heartbeat keeps it from expiring
-            # every read returns every peer's announcement: n peers polling at a fixed rate cost the DHT n^2 records
-            # a poll (64 peers at 2 Hz held the scale harness's start for over 600 s; at 96 up, polls every 6.5 s and
-            # heartbeats every 10 s held the next 16 peers' start for 4 minutes, load 130: measured), so the more are
-            # up, the slower each one asks
-            stop.wait(min(START_POLL_MAX, 0.5 + seen / 8))
-    finally:
-        members.heartbeat = Membership.HEARTBEAT
+    while want > 1 and time.monotonic() < deadline and not stop.is_set():
+        seen = 1 + len(members.mates())
+        if seen >= want:
+            log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
+            return
+        announced = announced or members.announce(tag)  # once stored, the heartbeat keeps it fresh
+        # every read returns every peer's announcement: n peers polling at a fixed rate cost the DHT n^2 records a
+        # poll (64 peers at 2 Hz held the scale harness's start for over 600 s, measured), so the more are up, the
+        # slower each one asks
+        stop.wait(min(START_POLL_MAX, 0.5 + seen / 16))
     if want > 1:
         log.warning("fewer than swarm.start_peers=%d peers after %.0fs: starting anyway", want, cfg.swarm.join_timeout)
