@@ -123,26 +123,14 @@ class Announcements:
         last = self._last_read
         if max_age > 0.0 and last is not None and time.monotonic() - last[0] <= max_age:
             return last[1]
-        found = bounded(
-            lambda: self.dht.get(self.key, latest=True, return_future=True),
-            self.timeout,
-            "reading the run's members from the DHT",
-            None,
-        )
-        if found is None:
+        signed = self._signed(self.key, "the run's members")
+        if signed is None:
             return None
-        value = getattr(found, "value", None)
-        entries = value if isinstance(value, dict) else {}
-        out = {}
         announced_after = get_dht_time() - self.LIVE + self.cfg.swarm.record_ttl  # as an expiration time
-        for subkey, item in entries.items():
-            peer = signer_of(subkey)
-            announcement = getattr(item, "value", None)
-            if peer is None or not isinstance(announcement, dict):
-                continue
-            if self.authorized is None or peer in self.authorized:
-                expires = getattr(item, "expiration_time", 0.0)
-                out[peer] = {**announcement, "live": isinstance(expires, float) and expires >= announced_after}
+        out = {
+            peer: {**announcement, "live": isinstance(expires, float) and expires >= announced_after}
+            for peer, (announcement, expires) in signed.items()
+        }
         now = time.monotonic()
         for peer, v in out.items():
             if peer != self.peer_id and v.get("fingerprint") == self.fingerprint:
@@ -157,18 +145,27 @@ class Announcements:
         """The settings summary ``peer`` stored with its fingerprint (fingerprint.py: the fields it hashes), to name
         what differs from ours; None when it is not found in time or not signed by that peer. A read of its own: only
         a peer whose fingerprint differs needs it."""
+        settings = (self._signed(self.settings_key, "the run's settings") or {}).get(peer)
+        return None if settings is None else settings[0].get("summary")
+
+    def _signed(self, key: str, what: str) -> dict[str, tuple[dict, Any]] | None:
+        """The dictionary values under ``key`` by the peer id that signed each (in a closed run, listed peers' only),
+        with their DHT expiration; None when the DHT did not answer within swarm.dht_timeout."""
         found = bounded(
-            lambda: self.dht.get(self.settings_key, latest=True, return_future=True),
+            lambda: self.dht.get(key, latest=True, return_future=True),
             self.timeout,
-            "reading the run's settings from the DHT",
+            f"reading {what} from the DHT",
             None,
         )
+        if found is None:
+            return None
         entries = getattr(found, "value", None)
+        out = {}
         for subkey, item in (entries if isinstance(entries, dict) else {}).items():
-            settings = getattr(item, "value", None)
-            if signer_of(subkey) == peer and isinstance(settings, dict):
-                return settings.get("summary")
-        return None
+            peer, value = signer_of(subkey), getattr(item, "value", None)
+            if peer is not None and isinstance(value, dict) and (self.authorized is None or peer in self.authorized):
+                out[peer] = (value, getattr(item, "expiration_time", 0.0))
+        return out
 
     def mates(self, max_age: float = 0.0) -> list[dict]:
         """Announcements of the other peers that share our fingerprint (they can average with us); ``max_age``: as

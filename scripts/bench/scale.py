@@ -233,7 +233,8 @@ def host(args: argparse.Namespace) -> int:
 
 
 def key_kind(key: Any) -> str:
-    """A DHT key without what varies by run and round: 'fingerprint', 'members', 'matchmaking' (group keys)..."""
+    """A DHT key without what varies by run and round: 'fingerprint', 'settings', 'metrics', 'matchmaking' (the
+    averager's group keys), 'averagers' (its '.all_averagers' key)."""
     name = str(key).split("_")[-1]  # keys are '<run_id>_<field>', the averager's '<run_id>_<fingerprint>.<suffix>'
     if "." in name:
         suffix = name.split(".")[-1]
