@@ -56,6 +56,32 @@ def test_two_sybil_keys_cannot_plant_a_far_ahead_state_on_a_newcomer():
     assert max((tag for tag, who in v.vouchers.items() if len(who) >= 2), key=lambda t: t.round) == BOGUS
 
 
+def test_honest_peers_on_sibling_states_after_a_partial_failure_still_outweigh_two_sybil_keys():
+    """CI (stop 44): round 4 failed in part, leaving the 3 honest peers on two siblings of round 3's state, held by 2
+    and 1; 2 Sybil keys that had just completed that round with them (weight 1 each) held a bogus state at round
+    10**6. It tied the larger sibling, was offered as the furthest, and an honest peer and a late joiner took it.
+    The honest peers' kin (linked through round 3) weigh 3 against the Sybils' 2: refused, to each honest peer and to
+    a newcomer. Sybils that sign the honest history join the honest kin, so kin never offer what support refuses."""
+    big, small = RoundTag(4, "d" * 16), RoundTag(4, "e" * 16)
+    sybils = {"s1": [BOGUS], "s2": [BOGUS]}
+    honest = {"a": [T2, T3, big], "b": [T2, T3, small], "c": [T2, T3, big]}
+    newcomer = vouches(honest | sybils)
+    assert BOGUS not in offered(newcomer) and big in offered(newcomer)
+    assert "its kin 2, other peers' kin 3" in newcomer.refusals(2, None)[BOGUS]
+    known = Standing()
+    known.count(["a", "b", "c", "s1", "s2"])  # one complete round together (the reader itself is not read)
+    for reader in ("a", "b"):  # on the larger sibling, on the smaller one
+        holding = {peer: tags for peer, tags in honest.items() if peer != reader} | sybils
+        v = vouches(holding, known.weights(holding, live=holding), own=honest[reader])
+        assert BOGUS not in offered(v, mine=honest[reader][-1]), (reader, v.refusals(2, honest[reader][-1]))
+    # the rule without kin: the bogus state ties the larger sibling and is offered first
+    v = vouches(honest | sybils)
+    assert v.support(BOGUS) == v.support(big) == 2.0
+    # Sybils that sign the honest history are kin too: refused as before, by support (2 against 3 on one state)
+    faked = {s: [T2, T3, BOGUS] for s in sybils}
+    assert offered(vouches({p: [T2, T3, big] for p in "abc"} | faked)) == [big]
+
+
 def test_a_peer_that_knows_the_honest_ones_refuses_as_many_fresh_keys_as_there_are_honest_peers():
     """Half of the keys are Sybils: a newcomer cannot tell (a tie: it may take either), a peer whose rounds counted
     the honest ones weighs the fresh keys at FRESH_WEIGHT each, too little to vouch, and keeps the honest state."""

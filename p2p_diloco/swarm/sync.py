@@ -67,9 +67,15 @@ class Vouches:
     A state is offered when (1) the standing of the peers that vouch for it reaches ``swarm.state_quorum`` (or the
     standing of all live peers, when less), and (2) it is held, or was passed through, by live peers of at least
     half the standing of the run (the reader included, for the states it held), or by as much as any other trained
-    state held now (a split's lineages as large as the largest).
+    state held now (a split's lineages as large as the largest) while its kin weigh as much as any other kin.
     (2) is what keeps a minority of keys from planting a state: they can vouch for anything, and sign any history,
     but cannot make the honest peers hold it.
+    Kin: the live peers (and the reader) linked by a trained state that their recent states share (``kin``). A
+    round that failed in part leaves its honest members on sibling states, each held by few; kin count them as one:
+    measured in CI, 3 honest peers on 2 siblings held by 2 and 1, and 2 Sybil keys (weighing 1 to the honest ones
+    after one round together, and to a newcomer) holding a bogus state at round 10**6: the bogus state tied the
+    larger sibling, won as the furthest, and a late joiner and an honest peer took it. Sharing a history is cheap
+    (Sybils may sign the honest tags), so kin only ever refuse a state, never offer one.
     """
 
     vouchers: dict[RoundTag, set[str]] = field(default_factory=dict)
@@ -115,18 +121,56 @@ class Vouches:
         support = {tag: self.support(tag) for tag in set(self.holders) | set(self.own[-1:])}
         best = max((tag for tag in support if tag.round > 0), key=lambda tag: (support[tag], tag.round), default=None)
         half = 0.5 * (self.standing(self.live) + (1.0 if self.own else 0.0))
+        kin = self.kin() if by_standing else {}
+        kin_best = max(kin.values(), default=0.0)
         for tag in self.holders:
             if tag == mine:
                 continue
             vouched = self.standing(self.vouchers.get(tag, ()), by_standing)
             if vouched < quorum:
                 out[tag] = f"fewer than {quorum:g} peers vouch for it (their standing: {vouched:g})"
-            elif by_standing and support[tag] < half and best is not None and support[tag] < support[best]:
+            elif not by_standing or support[tag] >= half or best is None:
+                continue
+            elif support[tag] < support[best]:
                 out[tag] = (
                     f"too few of the run's peers hold it or held it (standing {support[tag]:g} of "
                     f"{2 * half:g}; {best} has {support[best]:g})"
                 )
+            elif tag.round > 0 and kin.get(tag, 0.0) < kin_best:
+                out[tag] = (
+                    f"too few of the run's peers hold it or held it (standing {support[tag]:g} of {2 * half:g}; "
+                    f"its kin {kin.get(tag, 0.0):g}, other peers' kin {kin_best:g})"
+                )
         return out
+
+    def kin(self) -> dict[RoundTag, float]:
+        """For each trained state some live peer holds (or the reader does), the standing of its kin: the live peers,
+        and the reader (1), linked to its holders through trained states that their recent states share."""
+        me = ""  # the reader, in the union below (no peer id is empty)
+        root: dict[str, str] = {me: me} if self.own else {}
+
+        def find(peer: str) -> str:
+            root.setdefault(peer, peer)
+            while root[peer] != peer:
+                root[peer] = root[root[peer]]
+                peer = root[peer]
+            return peer
+
+        for tag, vouchers in self.vouchers.items():
+            linked = [peer for peer in vouchers if peer in self.live] + ([me] if tag in self.own else [])
+            for peer in linked:
+                if tag.round > 0:
+                    root[find(peer)] = find(linked[0])
+                else:
+                    find(peer)
+        weight: dict[str, float] = {}
+        for peer in list(root):
+            family = find(peer)
+            weight[family] = weight.get(family, 0.0) + (1.0 if peer == me else self.standing([peer]))
+        held = {tag: find(donors[0]) for tag, donors in self.holders.items() if donors and tag.round > 0}
+        if self.own and self.own[-1].round > 0:
+            held[self.own[-1]] = find(me)
+        return {tag: weight[family] for tag, family in held.items()}
 
 
 @dataclass
