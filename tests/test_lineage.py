@@ -30,5 +30,8 @@ def test_the_lineage_more_peers_hold_is_kept_and_a_tie_goes_to_the_smaller_check
     assert canonical({"p": [S0, A1], "q": [S0, B1], "r": [S0, B1, B2]})[0] == {"q", "r"}
     assert canonical({"p": [S0, A1, A2], "q": [S0, B1]})[0] == {"p"}  # 1 and 1: a1 < b1 at round 1, both reached it
     assert canonical({"p": [S0, B1, B2], "q": [S0, A1]})[0] == {"q"}  # whatever the order and the phase
-    assert canonical({"p": [A2], "q": [B1]}) is None  # p's history holds no round-1 tag: no telling
+    assert canonical({"p": [A2], "q": [B1]})[0] == {"q"}  # p's history holds no round-1 tag: it loses the tie
+    bogus = RoundTag(10**6, "0" * 16)  # 2 keys announcing a far-ahead state alone tie the honest halves' 2 keys
+    split = {"a": [A1, A2], "b": [A1, A2], "c": [A1, B2], "s1": [bogus], "s2": [bogus]}
+    assert canonical(split)[0] == {"a", "b"}
     assert canonical({"p": []}) is None and canonical({}) is None

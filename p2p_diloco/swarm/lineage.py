@@ -3,16 +3,18 @@
 Inputs:  each peer's recent tags, oldest first, the last one the state it holds now (join.py reads them from the
          signed announcements of the live peers with our settings, ours included).
 Output:  ``lineages``: the peers grouped by lineage, with every tag their histories hold; ``canonical``: the lineage
-         to keep (its peers and tags), or None when there is no telling.
+         to keep (its peers and tags), or None when there is none.
 State:   none.
 Failure: none: empty input gives no lineage.
 
 Two peers are on one lineage when the state one holds is among the other's recent tags (one is some rounds behind
 the other on the same history). Groups that formed apart from one state (a split) make lineages that share no recent
 tag. Canonical: the lineage the most peers hold; between lineages as many hold, the one whose state at the latest
-round all of them reached has the smallest checksum, which every peer reading the same announcements picks alike
-(None when one of them holds no tag of that round: too far apart to compare). It counts peers' keys, not the
-standing the swarm observed from them: docs/trust.md says what that allows.
+round all of them reached has the smallest checksum, which every peer reading the same announcements picks alike; a
+lineage with no state at that round (it skipped past it: two bogus keys announcing round 10**6 and nothing before)
+loses the tie. Before, such a tie gave no canonical lineage: in a CI run 2 Sybil keys, each in one group of a last
+round that split 3 + 2, tied the larger half's 2 honest keys and kept the split from healing. It counts peers' keys,
+not the standing the swarm observed from them: docs/trust.md says what that allows.
 """
 
 from __future__ import annotations
@@ -48,8 +50,7 @@ def lineages(histories: dict[str, list[RoundTag]]) -> list[Lineage]:
 
 
 def canonical(histories: dict[str, list[RoundTag]]) -> Lineage | None:
-    """The lineage to keep among those of ``histories`` (see the module docstring); None when there is none or the
-    tied ones cannot be compared."""
+    """The lineage to keep among those of ``histories`` (see the module docstring); None when there is none."""
     found = lineages({peer: tags for peer, tags in histories.items() if tags})
     if not found:
         return None
@@ -58,7 +59,10 @@ def canonical(histories: dict[str, list[RoundTag]]) -> Lineage | None:
     if len(tied) == 1:
         return tied[0]
     common = min(max(tag.round for tag in tags) for _, tags in tied)
-    at_common = [min((tag.checksum for tag in tags if tag.round == common), default=None) for _, tags in tied]
-    if any(checksum is None for checksum in at_common):
-        return None
-    return min(zip(at_common, tied, strict=True), key=lambda item: item[0])[1]
+    at_common = [(checksum, lineage) for lineage in tied if (checksum := _smallest_checksum(lineage[1], common))]
+    return min(at_common, key=lambda item: item[0])[1]  # the lineage whose newest round is ``common`` has one
+
+
+def _smallest_checksum(tags: set[RoundTag], at_round: int) -> str | None:
+    """The smallest checksum among ``tags`` at ``at_round``; None when there is none."""
+    return min((tag.checksum for tag in tags if tag.round == at_round), default=None)
