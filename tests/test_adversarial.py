@@ -140,8 +140,10 @@ def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_ho
     neither the joiner nor an honest peer takes it."""
     attacked = run_swarm(spawn, tmp_path, ("donor", "6"), late_joiner=True, attackers=attackers)
     joined = attacked["joined"]
-    donors = {r["outer_step"]: r["checksum"] for r in records(tmp_path / "peer0")}
-    assert 2 <= joined["round"] <= ROUNDS and donors.get(joined["round"]) == joined["checksum"], joined
+    # a state an honest peer trained (one of a last round's split halves too: flaky-run, the joiner took the half that
+    # peer0 did not train in, and peer0 then healed to it)
+    honest = {(r["outer_step"], r["checksum"]) for k in range(3) for r in records(tmp_path / f"peer{k}")}
+    assert 2 <= joined["round"] <= ROUNDS and (joined["round"], joined["checksum"]) in honest, joined
     assert refusal in joined["output"], joined["output"][-3000:]
     late = records(tmp_path / "late")  # none when it joined at the last round
     assert all(r["outer_step"] <= ROUNDS for r in late), late
