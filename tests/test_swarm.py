@@ -83,11 +83,28 @@ def records(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def checksums_by_step(log_dirs: list[Path]) -> dict[int, set[str]]:
+def checksums_by_step(log_dirs: list[Path], settled: bool = False) -> dict[int, set[str]]:
+    """Every checksum the peers recorded at each step; ``settled``: each peer's last record of the step only (a
+    round it applied and then left by a resync at the same step counts as the resync's state)."""
     out: dict[int, set[str]] = {}
     for d in log_dirs:
-        for r in records(d):
+        recs = records(d)
+        if settled:
+            recs = list({r["outer_step"]: r for r in recs}.values())
+        for r in recs:
             out.setdefault(r["outer_step"], set()).add(r["checksum"])
+    return out
+
+
+def resyncs_that_left_steps(recs: list[dict]) -> set[int]:
+    """The indices of the resync records after which a peer recorded again steps it had recorded (it left the state
+    of those steps for the swarm's); AssertionError when a step was recorded again without such a resync."""
+    out = set()
+    for i, r in enumerate(recs):
+        if any(later["outer_step"] == r["outer_step"] for later in recs[i + 1 :]):
+            resync = next((j for j in range(i + 1, len(recs)) if recs[j].get("decision") == "resync"), None)
+            assert resync is not None and recs[resync]["outer_step"] <= r["outer_step"], (i, recs)
+            out.add(resync)
     return out
 
 
@@ -311,12 +328,19 @@ def test_late_joiner_holds_the_swarm_state_before_its_first_step(spawn, tmp_path
     # read after the run: an eager donor serves a round's state from its settle (τ steps into the next round) but
     # writes that round's record when the next round's inner steps end
     finish([first, second, late], timeout=150)
-    donors = checksums_by_step([tmp_path / "a", tmp_path / "b"])
+    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    donors = checksums_by_step(dirs[:2], settled=True)
     assert donors.get(step) == {checksum}  # the joiner holds the swarm's state for that step
     late_recs = records(tmp_path / "c")
     assert late_recs and late_recs[0]["outer_step"] > step
-    by_step = checksums_by_step([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    # one state at every step, as each peer settled it. Beside a busy process (scripts/flaky.py: 3 of 10 runs, on the
+    # tree before kin and after alike) the joiner's first exchange, out of sync, grouped with one donor while the
+    # other was late: that donor applied a step or two alone and, in its next exchange, left them for the others'
+    # state by one resync. A step left otherwise, or twice, fails.
+    by_step = checksums_by_step(dirs, settled=True)
     assert all(len(c) == 1 for c in by_step.values()), by_step
+    for d in dirs:
+        assert len(resyncs_that_left_steps(records(d))) <= 1, (d.name, records(d))
 
 
 @pytest.mark.timeout(240)
