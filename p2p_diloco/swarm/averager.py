@@ -190,6 +190,7 @@ class PseudoGradAverager(
         # per downloading peer: (when, what share of a state) of its recent downloads, manifests and pieces
         self._downloads: dict[str, list[tuple[float, float]]] = {}
         self._banned: dict[str, float] = {}  # reducers caught lying -> until when we refuse to group with them
+        self._declared_until = 0.0  # when our last matchmaking declaration expires (DHT time; matchmaking.py)
         self._strikes = Strikes(me=str(dht.peer_id))  # senders our reducer dropped by direction, in a row (strikes.py)
         self._state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self._votes: OrderedDict[bytes, asyncio.Future] = OrderedDict()  # used in the averager process

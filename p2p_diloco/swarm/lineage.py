@@ -3,7 +3,8 @@
 Inputs:  each peer's recent tags, oldest first, the last one the state it holds now (join.py reads them from the
          signed announcements of the live peers with our settings, ours included).
 Output:  ``lineages``: the peers grouped by lineage, with every tag their histories hold; ``canonical``: the lineage
-         to keep (its peers and tags), or None when there is none.
+         to keep (its peers and tags), or None when there is none; ``connected``: the union-find both this and
+         sync.Vouches.kin group peers with.
 State:   none.
 Failure: none: empty input gives no lineage.
 
@@ -19,9 +20,11 @@ not the standing the swarm observed from them: docs/trust.md says what that allo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from p2p_diloco.protocol import RoundTag
 
-__all__ = ["Lineage", "canonical", "lineages"]
+__all__ = ["Lineage", "canonical", "connected", "lineages"]
 
 Lineage = tuple[set[str], set[RoundTag]]  # its peers, every tag in their histories
 
@@ -29,24 +32,39 @@ Lineage = tuple[set[str], set[RoundTag]]  # its peers, every tag in their histor
 def lineages(histories: dict[str, list[RoundTag]]) -> list[Lineage]:
     """The peers of ``histories`` (peer -> its recent tags, the last the state it holds; none empty) by lineage."""
     peers = list(histories)
-    root = {peer: peer for peer in peers}
-
-    def find(peer: str) -> str:
-        while root[peer] != peer:
-            root[peer] = root[root[peer]]
-            peer = root[peer]
-        return peer
-
-    for i, a in enumerate(peers):
-        for b in peers[i + 1 :]:
-            if histories[a][-1] in histories[b] or histories[b][-1] in histories[a]:
-                root[find(a)] = find(b)
+    links = [
+        (a, b)
+        for i, a in enumerate(peers)
+        for b in peers[i + 1 :]
+        if histories[a][-1] in histories[b] or histories[b][-1] in histories[a]
+    ]
+    root = connected(peers, links)
     out: dict[str, Lineage] = {}
     for peer in peers:
-        members, tags = out.setdefault(find(peer), (set(), set()))
+        members, tags = out.setdefault(root[peer], (set(), set()))
         members.add(peer)
         tags.update(histories[peer])
     return list(out.values())
+
+
+def connected(items: Iterable[str], links: Iterable[Iterable[str]]) -> dict[str, str]:
+    """Each of ``items`` (and each item of a link) -> the one representative of every item linked to it, directly or
+    through others: the items of one link are linked to each other."""
+    root = {item: item for item in items}
+
+    def find(item: str) -> str:
+        root.setdefault(item, item)
+        while root[item] != item:
+            root[item] = root[root[item]]
+            item = root[item]
+        return item
+
+    for link in links:
+        first = None
+        for item in link:
+            first = find(item) if first is None else first
+            root[find(item)] = first
+    return {item: find(item) for item in list(root)}
 
 
 def canonical(histories: dict[str, list[RoundTag]]) -> Lineage | None:

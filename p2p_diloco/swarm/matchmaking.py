@@ -159,7 +159,7 @@ class MatchmakingMixin:
         matchmaking = self._matchmaking
         matchmaking.target_group_size = matchmaking.potential_leaders.target_group_size = size
         if window is not None:  # ending after the last declaration, or the DHT refuses the new one (module docstring)
-            window = max(window, self.__dict__.get("_declared_until", 0.0) - get_dht_time() + DECLARE_MARGIN)
+            window = max(window, self._declared_until - get_dht_time() + DECLARE_MARGIN)
             matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = window
 
     def admits(self, peer: Any) -> bool:
@@ -187,7 +187,7 @@ class MatchmakingMixin:
             return await ask(leader) if self.admits(leader) else None
 
         async def declare_recorded(group_key: str, peer_id: Any, expiration_time: float, *args: Any, **kw: Any) -> Any:
-            self.__dict__["_declared_until"] = max(self.__dict__.get("_declared_until", 0.0), expiration_time)
+            self._declared_until = max(self._declared_until, expiration_time)
             return await declare(group_key, peer_id, expiration_time, *args, **kw)
 
         matchmaking._request_join_group = ask_admitted

@@ -48,6 +48,7 @@ from p2p_diloco.outer import OuterState
 from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import part_digests, state_checksum
 from p2p_diloco.swarm.download import download_state
+from p2p_diloco.swarm.lineage import connected
 
 __all__ = ["Offer", "StateSync", "Vouches", "fetch_vouched"]
 
@@ -129,47 +130,32 @@ class Vouches:
             vouched = self.standing(self.vouchers.get(tag, ()), by_standing)
             if vouched < quorum:
                 out[tag] = f"fewer than {quorum:g} peers vouch for it (their standing: {vouched:g})"
-            elif not by_standing or support[tag] >= half or best is None:
                 continue
-            elif support[tag] < support[best]:
-                out[tag] = (
-                    f"too few of the run's peers hold it or held it (standing {support[tag]:g} of "
-                    f"{2 * half:g}; {best} has {support[best]:g})"
-                )
+            if not by_standing or support[tag] >= half or best is None:
+                continue
+            few = f"too few of the run's peers hold it or held it (standing {support[tag]:g} of {2 * half:g}; "
+            if support[tag] < support[best]:
+                out[tag] = few + f"{best} has {support[best]:g})"
             elif tag.round > 0 and kin.get(tag, 0.0) < kin_best:
-                out[tag] = (
-                    f"too few of the run's peers hold it or held it (standing {support[tag]:g} of {2 * half:g}; "
-                    f"its kin {kin.get(tag, 0.0):g}, other peers' kin {kin_best:g})"
-                )
+                out[tag] = few + f"its kin {kin.get(tag, 0.0):g}, other peers' kin {kin_best:g})"
         return out
 
     def kin(self) -> dict[RoundTag, float]:
         """For each trained state some live peer holds (or the reader does), the standing of its kin: the live peers,
         and the reader (1), linked to its holders through trained states that their recent states share."""
-        me = ""  # the reader, in the union below (no peer id is empty)
-        root: dict[str, str] = {me: me} if self.own else {}
-
-        def find(peer: str) -> str:
-            root.setdefault(peer, peer)
-            while root[peer] != peer:
-                root[peer] = root[root[peer]]
-                peer = root[peer]
-            return peer
-
-        for tag, vouchers in self.vouchers.items():
-            linked = [peer for peer in vouchers if peer in self.live] + ([me] if tag in self.own else [])
-            for peer in linked:
-                if tag.round > 0:
-                    root[find(peer)] = find(linked[0])
-                else:
-                    find(peer)
+        me = ""  # the reader (no peer id is empty)
+        links = [
+            [peer for peer in vouchers if peer in self.live] + ([me] if tag in self.own else [])
+            for tag, vouchers in self.vouchers.items()
+            if tag.round > 0
+        ]
+        root = connected([*self.live, *([me] if self.own else [])], links)
         weight: dict[str, float] = {}
-        for peer in list(root):
-            family = find(peer)
+        for peer, family in root.items():
             weight[family] = weight.get(family, 0.0) + (1.0 if peer == me else self.standing([peer]))
-        held = {tag: find(donors[0]) for tag, donors in self.holders.items() if donors and tag.round > 0}
+        held = {tag: root[donors[0]] for tag, donors in self.holders.items() if donors and tag.round > 0}
         if self.own and self.own[-1].round > 0:
-            held[self.own[-1]] = find(me)
+            held[self.own[-1]] = root[me]
         return {tag: weight[family] for tag, family in held.items()}
 
 
