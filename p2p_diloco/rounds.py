@@ -51,6 +51,7 @@ class ReduceInfo:
     ahead: RoundTag | None = None  # the swarm's state, when it was too far ahead of ours to look for a group
     groups: int = 1  # the groups the round ran as (protocol.split_groups): one butterfly each, their means combined
     dropped: dict[str, int] = field(default_factory=dict)  # sender -> parts our reducer dropped by direction
+    group_reads: int = 0  # DHT lookups of the group key's declarations that matchmaking made (swarm/matchmaking.py)
 
 
 class Reducer(Protocol):
@@ -134,6 +135,7 @@ class RoundResult:
             "overlap_steps": self.reduce.overlap_steps,
             "bytes_sent": self.reduce.bytes_sent,
             "bytes_received": self.reduce.bytes_received,
+            "group_reads": self.reduce.group_reads,
             "outer_lr": self.outer_lr,
             "checksum": self.checksum,
             "decision": self.decision.value,

@@ -198,6 +198,9 @@ class PseudoGradAverager(
         # runners add each message as it passes, the host reads the growth per attempt (shared memory, made before
         # the process forks)
         self._payload_totals = torch.zeros(2, dtype=torch.int64).share_memory_()
+        # reads of the group key's declarations (DHT lookups of matchmaking) so far, counted as they are made in the
+        # averager process (matchmaking.py: paced at READ_PAUSE), read per reduce by the host
+        self._group_reads = torch.zeros(1, dtype=torch.int64).share_memory_()
         # host side: how many peers (us included) will come to this round's matchmaking (e.g. the run's live
         # members); a leader then assembles as soon as that many joined, instead of at matchmaking_time
         self.target_group_size_cap = max_round_peers

@@ -155,7 +155,7 @@ class ReduceMixin:
                 buf.copy_(grad)
         info.copy_seconds += time.monotonic() - t0
         window = self._expect_members()
-        t0, control, totals = time.monotonic(), None, self._payload_totals.clone()
+        t0, control, totals, reads = time.monotonic(), None, self._payload_totals.clone(), int(self._group_reads)
         # hivemind starts the all-reduce at the leader's deadline; a follower whose own step times out at the
         # same moment leaves a group the others then run without it. One more matchmaking period of slack.
         find_timeout = window + self.matchmaking_time + self.request_timeout_s
@@ -169,6 +169,7 @@ class ReduceMixin:
             if control is not None and not control.done():
                 control.cancel()
             self._count_payload(info, totals)  # a failed all-reduce's bytes were sent all the same
+            info.group_reads += int(self._group_reads) - reads
             if not began:
                 info.matchmaking_seconds += time.monotonic() - t0
                 return None, f"no group formed ({type(e).__name__}: {e})", False
@@ -177,6 +178,7 @@ class ReduceMixin:
         info.matchmaking_seconds += out["t_group"] - t0
         info.allreduce_seconds += time.monotonic() - out["t_group"]
         self._count_payload(info, totals)
+        info.group_reads += int(self._group_reads) - reads
         for peer, left in out.get("banned", {}).items():  # the averager process banned them: admits() says so too
             self._banned[peer] = max(self._banned.get(peer, 0.0), time.monotonic() + left)
         if not out["complete"]:
