@@ -58,8 +58,12 @@ def test_workers_of_different_speeds_end_a_budgeted_round_together_with_the_same
     slow_ended = [time.time()]
     slow_stats = slow.train_inner(slow_step)
     assert slow.round_ends_at == end + span
-    assert 1 <= slow_stats.steps < fast_stats.steps < 1000
-    assert slow_stats.tokens < fast_stats.tokens
+    # the fast one takes more steps; on a loaded machine (full suite, 2 cores) it once got only 2 steps into the round
+    # (its first includes the warm-up), as many as the slow one: strictly more is asserted from 4 steps on, where a
+    # worker 3x slower cannot keep up
+    assert 1 <= slow_stats.steps <= fast_stats.steps < 1000, (slow_stats.steps, fast_stats.steps)
+    assert slow_stats.steps < fast_stats.steps or fast_stats.steps < 4, (slow_stats.steps, fast_stats.steps)
+    assert slow_stats.tokens <= fast_stats.tokens
 
     # the lr of each one's last step is the round's clock when that step began (rounds done 0 + its share of the
     # round) x H, or later: at most the lr of the moment the step before it ended. Bounded by the measured times,
