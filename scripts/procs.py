@@ -362,9 +362,9 @@ class Proc:
         """SIGKILL every process of the child's group, reap the leader and close its stdin.
 
         stdout and stderr close when their reader threads see EOF, once every process holding them is gone. Not
-        every such process dies with the group: torch's ``torch_shm_manager`` runs in a session of its own and
-        exits by itself about 2 s after its last client (measured); closing the pipes here waited for it, 2 s
-        per process killed.
+        every such process dies with the group: torch's ``torch_shm_manager`` (started under hivemind's file_system
+        sharing, which p2p_diloco replaces: swarm/shm.py) runs in a session of its own and exits by itself about 2 s
+        after its last client (measured); closing the pipes here waited for it, 2 s per process killed.
         """
         try:
             os.killpg(self.pgid, signal.SIGKILL)

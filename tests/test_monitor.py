@@ -363,7 +363,7 @@ def swarm(tmp_path_factory):
         ids = [p.wait_for_line(r"^peer (\S+) reachable as", timeout=120).group(1) for p in peers]
         wait_status(url, lambda s: s.get("num_peers") == 2, timeout=150)
         yield dict(tmp=tmp, url=url, monitor=monitor, peers=peers, ids=ids, initial=initial, waiting=waiting, boot=boot)
-    finally:  # politely first (a SIGKILLed peer leaves its shared-memory tensors in /dev/shm), then for sure
+    finally:  # politely first (a peer stopped by SIGTERM exits as a user's would), then for sure
         for p in procs:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)

@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     sent: dict[str, list[list[int]]] = {}  # "n x d" -> per repeat, the bytes each donor's link sent
     link: dict[str, Any] | None = None
     peers: list[Peer] = []
-    # hivemind shares tensors by file name: the first share starts this process's torch_shm_manager, which must
-    # run here, not in a home that the lab kills at its end (a later share, or exit, would then abort this process)
+    # under hivemind's file_system sharing (HIVEMIND_MEMORY_SHARING_STRATEGY; swarm/shm.py) the first share starts
+    # this process's torch_shm_manager, which must run here, not in a home that the lab kills at its end (a later
+    # share, or exit, would then abort this process); with file descriptors, our default, it costs nothing
     torch.zeros(1).share_memory_()
     with Lab(homes, args.rate, shape_ingress=False) if args.netlab else contextlib.nullcontext() as lab:
         try:
