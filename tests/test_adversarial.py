@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_swarm import ROOT, finish, records, start_bootstrap, start_peer
+from test_swarm import ROOT, TINY, finish, records, start_bootstrap, start_peer
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_outer_state
+from p2p_diloco.config import load_config
 from scripts.procs import Proc
 
 pytestmark = [pytest.mark.swarm, pytest.mark.adversarial]
@@ -132,9 +133,14 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
         assert any("returned an average too long to be one" in r for r in attacked["reasons"]), attacked["reasons"]
         # the retry without the liar formed at once: before matchmaking.DECLARE_MARGIN its declarations (a shorter
         # window than the failed attempt's) went unseen in the DHT, and round 1 took 18-31 s of matchmaking, one
-        # honest peer in 3 probes left out (a local step, then eval 2.5% over the all-honest swarm)
+        # honest peer in 3 probes left out (a local step, then eval 2.5% over the all-honest swarm). A peer left out
+        # of the first attempt waits while the others' attempt fails (a CI check: one peer counted 3 of the 4 at
+        # round 1 and led a group of 3, which lost the liar's parts after next_chunk_timeout; the fourth waited
+        # 10.6 s), then one matchmaking period at most
+        swarm = load_config(TINY, SWARM).swarm
+        bound = swarm.next_chunk_timeout + swarm.matchmaking_time
         first = {k: v[0] if v else {} for k, v in attacked["first_records"].items()}
-        assert all(r.get("decision") == "apply" and r["matchmaking_seconds"] < 10.0 for r in first.values()), first
+        assert all(r.get("decision") == "apply" and r["matchmaking_seconds"] < bound for r in first.values()), first
 
 
 @pytest.mark.timeout(600)
