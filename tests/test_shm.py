@@ -10,26 +10,14 @@ import torch.multiprocessing
 
 import p2p_diloco.swarm  # noqa: F401 - what every swarm module imports first
 from p2p_diloco.swarm import shm
-
-
-def children_named(name: str) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                comm, rest = f.read().split("(", 1)[1].rsplit(")", 1)
-        except OSError:
-            continue
-        if comm == name and int(rest.split()[1]) == os.getpid():
-            out.append(int(pid))
-    return out
+from scripts.procs import descendants
 
 
 def test_shared_tensors_go_by_file_descriptor_and_start_no_manager_process():
     assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
     shared = torch.arange(1000, dtype=torch.float32).share_memory_()
     assert shared.is_shared() and shared.sum().item() == 499500.0
-    assert children_named("torch_shm_manag") == []  # comm is cut at 15 characters
+    assert [name for *_, name in descendants(os.getpid()) if name == "torch_shm_manag"] == []  # comm: 15 characters
 
 
 def test_a_strategy_the_user_set_for_hivemind_wins(monkeypatch):

@@ -194,7 +194,7 @@ class MatchmakingMixin:
         ``READ_PAUSE`` seconds, each read counted (``_group_reads``): module docstring."""
         keys = matchmaking.group_key_manager
         ask, declare, read = matchmaking._request_join_group, keys.declare_averager, keys.get_averagers
-        last_read = [-float("inf")]
+        last_read = -float("inf")
 
         async def ask_admitted(leader: Any) -> Any:
             return await ask(leader) if self.admits(leader) else None
@@ -204,8 +204,9 @@ class MatchmakingMixin:
             return await declare(group_key, peer_id, expiration_time, *args, **kw)
 
         async def read_paced(*args: Any, **kw: Any) -> Any:
-            await asyncio.sleep(last_read[0] + READ_PAUSE - time.monotonic())
-            last_read[0] = time.monotonic()
+            nonlocal last_read
+            await asyncio.sleep(last_read + READ_PAUSE - time.monotonic())
+            last_read = time.monotonic()
             self._group_reads += 1
             return await read(*args, **kw)
 

@@ -168,8 +168,7 @@ class ReduceMixin:
             began = control is not None and control.began_allreduce
             if control is not None and not control.done():
                 control.cancel()
-            self._count_payload(info, totals)  # a failed all-reduce's bytes were sent all the same
-            info.group_reads += int(self._group_reads) - reads
+            self._count_since(info, totals, reads)  # a failed all-reduce's bytes were sent all the same
             if not began:
                 info.matchmaking_seconds += time.monotonic() - t0
                 return None, f"no group formed ({type(e).__name__}: {e})", False
@@ -177,8 +176,7 @@ class ReduceMixin:
             return None, f"all-reduce failed ({type(e).__name__}: {e})", True
         info.matchmaking_seconds += out["t_group"] - t0
         info.allreduce_seconds += time.monotonic() - out["t_group"]
-        self._count_payload(info, totals)
-        info.group_reads += int(self._group_reads) - reads
+        self._count_since(info, totals, reads)
         for peer, left in out.get("banned", {}).items():  # the averager process banned them: admits() says so too
             self._banned[peer] = max(self._banned.get(peer, 0.0), time.monotonic() + left)
         if not out["complete"]:
@@ -215,9 +213,11 @@ class ReduceMixin:
                 if not control.began_allreduce:
                     self._say_looking()
 
-    def _count_payload(self, info: ReduceInfo, before: torch.Tensor) -> None:
-        """Add the payload bytes counted since ``before`` (a copy of the totals) to ``info``. An attempt the host
-        gave up on while its runner still ran counts the rest with the next attempt."""
-        sent, received = (self._payload_totals - before).tolist()
+    def _count_since(self, info: ReduceInfo, totals: torch.Tensor, reads: int) -> None:
+        """Add the payload bytes counted since ``totals`` (a copy of the byte totals) and the group key reads since
+        ``reads`` to ``info``. An attempt the host gave up on while its runner still ran counts the rest with the
+        next attempt."""
+        sent, received = (self._payload_totals - totals).tolist()
         info.bytes_sent += sent
         info.bytes_received += received
+        info.group_reads += int(self._group_reads) - reads
