@@ -39,7 +39,10 @@ def test_scale_smoke_ends_every_round_on_one_state(tmp_path: Path) -> None:
     assert set(case["states_per_round"].values()) == {1} and case["final_states"] == 1, case
     assert 2 in case["groups_per_round"], case  # a round of 6 ran as two butterflies of 3, one mean
     assert case["lost_share"] <= 0.25, case  # measured 0 of 12 alone; a loaded machine may cost a peer a round
-    assert 0.9 < case["median_bytes_over_bound"] < 1.5, case
+    # an attempt's bytes against the 2(n-1)/n bound; a retried round sends them twice (1 run in 10 beside a busy
+    # process: every peer retried round 2 after one peer lost the last part of a slice), so it is allowed once
+    assert 0.9 < case["median_bytes_per_attempt_over_bound"] < 1.5, case
+    assert case["retried_peer_rounds"] <= case["peers"], case
 
 
 SPLIT_TRIES = 3  # runs of the split case until its one round splits

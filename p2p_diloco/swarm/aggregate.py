@@ -150,7 +150,8 @@ class AggregateMixin:
                     self._banned[liar] = time.monotonic() + BAN_SECONDS
                 reason = f"reducer(s) {', '.join(p[-6:] for p in liars)} returned an average too long to be one: banned"
             elif container.failed_size:
-                reason = f"{container.failed_size} of {container.total_size} values lost their reducer"
+                why = "; ".join(f"{peer[-6:]}: {text}" for peer, text in runner.failed_reducers.items())
+                reason = f"{container.failed_size} of {container.total_size} values lost their reducer ({why})"
             elif runner.banned_senders or any(math.isfinite(x) for x in reducer.sender_failed_after):
                 reason = "this peer's reducer dropped a sender mid-round"
             elif any(n != reducer.num_parts for n in reducer.num_parts_received):

@@ -239,6 +239,7 @@ class ExactRunner(AllReduceRunner):
         self._slice_sq = [0.0] * len(own_parts)  # per reducer: the squared norm of its averaged parts so far
         self._slice_left = [len(parts) for parts in own_parts]
         self.lying_reducers: set[Any] = set()
+        self.failed_reducers: dict[str, str] = {}  # reducer -> why its slice came back incomplete (our end's view)
         register = container.register_processed_part
 
         def checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
@@ -289,7 +290,8 @@ class ExactRunner(AllReduceRunner):
                 elif codec.name != "none":
                     averaged = codec.mean.roundtrip(averaged)
                 self.tensor_part_container.register_processed_part(index, part_index, averaged)
-        except BaseException:
+        except BaseException as exc:
+            self.failed_reducers[str(peer_id)] = f"our own slice: {exc!r:.200}"
             self.tensor_part_container.register_failed_reducer(index)  # stock: our own slice would hang
             raise
 
@@ -322,7 +324,9 @@ class ExactRunner(AllReduceRunner):
                 raise AllreduceException(
                     f"{peer_id} sent {part_index} parts, expected {container.num_parts_by_peer[index]}"
                 )
-        except BaseException:
+        except BaseException as exc:
+            got, total = container._outputs_registered_by_peer[index], container.num_parts_by_peer[index]
+            self.failed_reducers[str(peer_id)] = f"{exc!r:.200} after {got} of {total} parts"
             container.register_failed_reducer(index)
             raise
 

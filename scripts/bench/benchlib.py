@@ -17,6 +17,8 @@ land in results/ unless asked: without ``--out`` they go to a fresh temporary di
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import datetime as _dt
 import json
 import os
@@ -30,7 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +59,11 @@ __all__ = [
     "fill_defaults",
     "free_port",
     "healed_at_end",
+    "ksmd_cpu_seconds",
     "load_now",
     "machine",
+    "mark_mergeable",
+    "merging_pages",
     "median",
     "proc_memory",
     "read_final",
@@ -306,6 +311,57 @@ def tcp_bytes_by_pid() -> dict[int, dict[str, int]]:
             acc["sockets"] += 1
         pids = []
     return out
+
+
+# ------------------------------------------------------------------------------------------------ merged pages
+
+KSM = Path("/sys/kernel/mm/ksm")
+PR_SET_MEMORY_MERGE = 67  # linux/prctl.h
+
+
+@contextlib.contextmanager
+def merging_pages(pages_to_scan: int = 1000) -> Iterator[None]:
+    """Run the kernel's same-page merging (KSM) while the block lasts: identical pages of processes that asked for it
+    (:func:`mark_mergeable`) become one copy. Why the many-peer harness wants it: hivemind's p2pd is a UPX-packed
+    binary, so each daemon unpacks its ~25 MB of code and constants into private memory, one copy per peer, where an
+    unpacked binary's would be one shared file mapping. ``pages_to_scan`` per 20 ms (the kernel's default is 100:
+    20 MB/s, a quarter hour to go over 128 peers once; 1000 costs ksmd ~10-20% of a core). The settings found are put
+    back afterwards; pages merged stay merged until written. Needs root and a kernel with KSM; else SystemExit with
+    what is missing."""
+    files = {name: KSM / name for name in ("run", "pages_to_scan")}
+    try:
+        before = {name: f.read_text().strip() for name, f in files.items()}
+        files["pages_to_scan"].write_text(str(pages_to_scan))
+        files["run"].write_text("1")
+    except OSError as exc:
+        raise SystemExit(f"cannot start same-page merging ({exc}): it needs root and a kernel with KSM") from None
+    try:
+        yield
+    finally:
+        for name in ("run", "pages_to_scan"):
+            files[name].write_text(before[name])
+
+
+def mark_mergeable() -> None:
+    """Offer every page of this process, and of every process it starts from now on (across exec: Linux 6.7 or
+    later), to same-page merging (prctl PR_SET_MEMORY_MERGE). SystemExit with the reason when the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) != 0:
+        code = ctypes.get_errno()
+        raise SystemExit(f"prctl(PR_SET_MEMORY_MERGE) refused: {os.strerror(code)} (needs Linux 6.4+, 6.7+ for p2pd)")
+
+
+def ksmd_cpu_seconds() -> float:
+    """CPU seconds the kernel's ksmd thread has used since boot (0.0 when there is none)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if "(ksmd)" in text:
+            fields = text.rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
 
 
 # ------------------------------------------------------------------------------------------------ swarms

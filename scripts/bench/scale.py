@@ -23,7 +23,9 @@ scripts/bench/results/scale.json (``--out`` elsewhere):
     final_states          distinct checksums among the states the peers ended on (final.json, after the end-of-run
                           heal; the last record's when a peer wrote none); healed_at_end: peers that heal moved
     bytes_per_round       median payload bytes a peer sent in a counted round, and that over the 2(n-1)/n bound
-                          (the round's n, in the wire codec: sim_reduce.wire_bytes_sent)
+                          (the round's n, in the wire codec: sim_reduce.wire_bytes_sent); a round's failed attempts
+                          count too, so ``median_bytes_per_attempt_over_bound`` divides by its reduce attempts, and
+                          ``retried_peer_rounds`` counts the counted peer-rounds that took more than one
     dht_per_peer_round    DHT reads and writes per peer per round, from every DHT call of the host processes
                           (announcements, records, vouches, the averager's matchmaking), and the RPCs they cost
                           (``find``: a lookup asked of one node, ``store``: a record sent to one node, replicas
@@ -32,7 +34,8 @@ scripts/bench/results/scale.json (``--out`` elsewhere):
                           node's too), sampled each second from /proc; ``_after_start``: only what they used once
                           every peer was up (the rounds, the end-of-run heal and linger)
     memory                the machine's peak memory in use (MemTotal - MemAvailable) over the run, less before it;
-                          per peer; and the peak summed PSS of the processes
+                          per peer; and the peak summed PSS of the processes, split by command (python: the host
+                          processes and the bootstrap node; p2pd: the daemons)
 What fits here: a p2pd holds 60-70 MB of RSS even idle (41 daemons on 127.0.0.1, 8 connections each, 2026-12-05:
 71 MB with hivemind's defaults, 67.5 without AutoNAT and NAT port mapping, 62.8 with libp2p's DHT in client mode),
 and the peer's share of its host process about as much again: 138 MB a peer at 128 peers, so 256 peers need ~35 GB,
@@ -48,6 +51,7 @@ group is killed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -70,6 +74,9 @@ from benchlib import (  # noqa: E402
     exit_on_sigterm,
     fill_defaults,
     healed_at_end,
+    ksmd_cpu_seconds,
+    mark_mergeable,
+    merging_pages,
     proc_memory,
     read_final,
     read_jsonl,
@@ -132,6 +139,8 @@ def overrides(args: argparse.Namespace, run_id: str) -> list[str]:
 
 def host(args: argparse.Namespace) -> int:
     """Run peers ``--first`` .. ``--first + --count - 1`` as threads of this process until they finish."""
+    if args.merge_pages:  # before any p2pd starts: they inherit it
+        mark_mergeable()
     from hivemind.dht import DHT
 
     from p2p_diloco.config import load_config
@@ -296,7 +305,9 @@ def summarize(
     counted = [r for recs in records for r in recs if not r.get("lost") and r["group_size"] > 1]
     cfg = load_config(TINY, overrides(args, "x"))
     shapes = [p.shape for p in build_model(cfg.model, DataPipeline(cfg.data, cfg.seed).vocab_size, 0).parameters()]
-    ratios = [r["bytes_sent"] / wire_bytes_sent(cfg, shapes, r["group_size"]) for r in counted]
+    bounds = [wire_bytes_sent(cfg, shapes, r["group_size"]) for r in counted]
+    ratios = [r["bytes_sent"] / bound for r, bound in zip(counted, bounds, strict=True)]
+    attempts = [max(1, r.get("reduce_attempts", 1)) for r in counted]
     rounds = max(by_step, default=0)
     minutes = (max(ends) - min(ends)) / 60 if len(ends) > 1 else None
     return {
@@ -314,6 +325,10 @@ def summarize(
         "groups_per_round": sorted({r.get("groups", 1) for r in counted}),
         "median_bytes_sent": statistics.median(r["bytes_sent"] for r in counted) if counted else None,
         "median_bytes_over_bound": statistics.median(ratios) if ratios else None,
+        "median_bytes_per_attempt_over_bound": (
+            statistics.median(x / n for x, n in zip(ratios, attempts, strict=True)) if ratios else None
+        ),
+        "retried_peer_rounds": sum(n > 1 for n in attempts),
         "dht_per_peer_round": {k: v / max(1, trained) for k, v in dht_calls.items()},
         "cpu_seconds": cpu,
         "cpu_per_peer_round": sum(cpu.values()) / trained if trained else None,
@@ -327,6 +342,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     sets = json.dumps(overrides(args, run_id))
     local = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
     before, peak, pss, stop = _used(), [0], [0], threading.Event()
+    pss_split: list[dict[str, int]] = [{}]  # at the peak: summed Pss by command name (python: the hosts, p2pd)
     cpu_seen: dict[int, tuple[str, float]] = {}  # pid -> (command name, its CPU seconds when last seen)
     boot = Proc([sys.executable, "-m", "peers.run_bootstrap", *local])
     hosts: list[Proc] = []
@@ -336,14 +352,18 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             peak[0] = max(peak[0], _used() - before)
             pids = [boot.pid, *(h.pid for h in hosts)]
             named = {**{p: "python" for p in pids}, **{c: name for q in pids for c, _, name in descendants(q)}}
-            pss[0] = max(pss[0], sum((proc_memory(p) or {}).get("Pss", 0) for p in named))
+            by_name: Counter[str] = Counter()
+            for p, name in named.items():
+                by_name[name] += (proc_memory(p) or {}).get("Pss", 0)
+            if sum(by_name.values()) > pss[0]:
+                pss[0], pss_split[0] = sum(by_name.values()), dict(by_name)
             for p, name in named.items():
                 if (seconds := _cpu_seconds(p)) is not None:
                     cpu_seen[p] = (name, seconds)
 
     problem, started, cpu_at_start = "", time.monotonic(), None
     dht_calls: Counter[str] = Counter({"get": 0, "store": 0, "find_rpc": 0, "store_rpc": 0})
-    start_retries = 0
+    start_retries, ksmd_before = 0, ksmd_cpu_seconds()
     try:
         initial = boot.wait_for_line(r"^--initial-peers ", timeout=90).string.split()[1:]
         threading.Thread(target=sample, daemon=True).start()
@@ -368,6 +388,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                         *(["--matchmaking-log"] if args.matchmaking_log else []),
                         *(["--dht-policy", args.dht_policy] if args.dht_policy else []),
                         *(["--p2pd-memory-limit", args.p2pd_memory_limit] if args.p2pd_memory_limit else []),
+                        *(["--merge-pages"] if args.merge_pages else []),
                         "--initial",
                         *initial,
                     ]
@@ -397,6 +418,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     cpu: dict[str, float] = {}
     for name, seconds in cpu_seen.values():
         cpu[name] = round(cpu.get(name, 0.0) + seconds, 1)
+    if args.merge_pages:  # the kernel's share of the run: its page merging
+        cpu["ksmd"] = round(ksmd_cpu_seconds() - ksmd_before, 1)
     out = summarize(args, records, dht_calls, cpu, finals)
     out.update(
         peers=args.peers,
@@ -407,6 +430,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         sets=args.set,
         dht_policy=args.dht_policy,
         p2pd_memory_limit=args.p2pd_memory_limit,
+        merge_pages=args.merge_pages,
         start_retries=start_retries,
         seconds=round(time.monotonic() - started, 1),
         # the rounds' own cost: after every peer was up (their start-up - keys, p2pd, the DHT's bootstrap - left out)
@@ -419,6 +443,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             "machine_peak_bytes": peak[0],
             "machine_peak_per_peer_bytes": peak[0] / args.peers,
             "pss_peak_bytes": pss[0],
+            "pss_peak_by_command": pss_split[0],
         },
         problem=problem,
         workdir=str(workdir),
@@ -442,6 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matchmaking-log", action="store_true", help="hivemind's matchmaking at debug level in host*.log")
     p.add_argument("--dht-policy", help="JSON: the peers' DHT node cache settings instead of dht.NODE_POLICY")
     p.add_argument("--p2pd-memory-limit", help="GOMEMLIMIT for the peers' p2pd, e.g. 24MiB (default none)")
+    p.add_argument(
+        "--merge-pages",
+        action="store_true",
+        help="let the kernel merge the peers' identical pages (KSM; root, Linux 6.7+): one copy of p2pd's code",
+    )
     p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--first", type=int, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
@@ -453,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         return host(args)
     args = fill_defaults(args, DEFAULTS, SMOKE)
     exit_on_sigterm()
-    result = drive(args)
+    with merging_pages() if args.merge_pages else contextlib.nullcontext():
+        result = drive(args)
     print(json.dumps(result, indent=1))
     path = args.out or (Path(tempfile.mkdtemp()) / "scale.json" if args.smoke else RESULTS_DIR / "scale.json")
     found = json.loads(path.read_text()) if path.exists() else {"item": "scale", "cases": {}}
