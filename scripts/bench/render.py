@@ -617,13 +617,25 @@ def _first_line(text: str, limit: int = 300) -> str:
     return line if line == text else f"{line} [...] (whole text in the result file)"
 
 
+def _peer_memory(case: dict[str, Any]) -> str:
+    """The machine's peak memory in use over a scale run, per peer ("-" where not measured), and how it was run when
+    that changes it: identical pages merged (--merge-pages), peers per host process."""
+    per_peer = (case.get("memory") or {}).get("machine_peak_per_peer_bytes")
+    if not per_peer:
+        return "-"
+    how = [f"{case['per_process']} a process"] if case.get("per_process") else []
+    how += ["pages merged"] if case.get("merge_pages") else []
+    how += [f"GOGC {case['p2pd_gogc']}"] if case.get("p2pd_gogc") else []
+    return fmt(per_peer, "B") + (f" ({', '.join(how)})" if how else "")
+
+
 def _swarm_table(found: dict[str, dict[str, Any] | None], cases: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = [
         "### Items 13 and 14, per case (one_state.json, scale.json)",
         "",
         "| item | case | peers, --group | rounds | states per round (most) | final states | peer-rounds lost "
-        "| median bytes sent | CPU s a peer-round | date |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| median bytes sent | CPU s a peer-round | machine memory a peer | date |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     notes = []
     for title, c in cases:
@@ -639,6 +651,7 @@ def _swarm_table(found: dict[str, dict[str, Any] | None], cases: list[tuple[str,
             f"{c['lost_peer_rounds']} of {c['peer_rounds_trained']} ({100 * c['lost_share']:.0f}%)",
             fmt(c["median_bytes_sent"], "B") + over,
             f"{c['cpu_per_peer_round']:.2f}" if c.get("cpu_per_peer_round") else "-",
+            _peer_memory(c),
             str(c.get("utc", "-"))[:10],
         ]
         lines.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")

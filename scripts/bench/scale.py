@@ -2,7 +2,7 @@
 
 Usage:
     python scripts/bench/scale.py --peers 16                  # 16 peers, 8 per process, 4 rounds
-    python scripts/bench/scale.py --peers 64 --group 16 --per-process 16 --rounds 4
+    python scripts/bench/scale.py --peers 64 --group 16 --per-process 32 --rounds 4 --merge-pages --p2pd-gogc 50
     python scripts/bench/scale.py --smoke                     # 6 peers in groups of 3, 2 rounds (CI)
 
 Each peer is a real TrainingPeer (swarm/peer.py: its DHT node, its averager with the round's matchmaking, groups
@@ -36,11 +36,20 @@ scripts/bench/results/scale.json (``--out`` elsewhere):
     memory                the machine's peak memory in use (MemTotal - MemAvailable) over the run, less before it;
                           per peer; and the peak summed PSS of the processes, split by command (python: the host
                           processes and the bootstrap node; p2pd: the daemons)
-What fits here: a p2pd holds 60-70 MB of RSS even idle (41 daemons on 127.0.0.1, 8 connections each, 2026-12-05:
-71 MB with hivemind's defaults, 67.5 without AutoNAT and NAT port mapping, 62.8 with libp2p's DHT in client mode),
-and the peer's share of its host process about as much again: 138 MB a peer at 128 peers, so 256 peers need ~35 GB,
-more than a 24 GB machine has. ``--p2pd-memory-limit`` under a daemon's live heap (24MiB) does not shrink it: Go's
-collector then runs without pause (~6% of a core per idle daemon).
+What fits here: a p2pd holds 60-70 MB even idle, all of it private: hivemind's p2pd is a UPX-packed binary, so each
+daemon unpacks its code and constants (~25 MB: text 11, rodata 14) into anonymous memory instead of sharing one file
+mapping; busy with a round's connections it grew to ~86 MB of RSS (16 peers). ``--merge-pages`` lets the kernel merge
+identical pages (KSM): an idle daemon's Pss 62 -> 35 MB; ``--p2pd-gogc 50`` collects Go's heap at 1.5x its live size
+instead of 2x (a busy daemon's RSS 86 -> 74 MB, its CPU +15%). The Python processes' summed Pss is ~17.5 MB a peer
+at 32 a process (64 peers: 1121 MB, the interpreters of two hosts and the bootstrap node included; tracemalloc: a
+peer's Python objects ~2 MB, the rest native). Machine memory a peer at 64
+peers: 129-138 MB at 16 a process with neither (2026-12-05/06), 88 MB at 32 a process with both (2026-12-07).
+At 128 peers (32 a process, both on, 2026-12-07) memory fitted (~12.8 GB in use at the peak: ~100 MB a peer) but
+two cores did not: load average ~150 once all were up, DHT reads timing out (hivemind logged ~3500 unretrieved
+TimeoutErrors), peers reading themselves "alone", rounds of 1-7 peers: of the 349 peer-rounds recorded in 23 minutes
+37 counted, 163 were local steps and 149 resyncs; stopped by hand, no result written. 256 peers would need ~26 GB.
+``--p2pd-memory-limit`` under a daemon's live heap (24MiB) does not shrink it: Go's collector then runs without pause
+(~6% of a core per idle daemon).
 Logs: each host process writes its peers' account (p2p_diloco at INFO; with ``--matchmaking-log`` also hivemind's
 matchmaking at DEBUG) to ``host<first peer>.log`` in the run's workdir, named in the result (``--keep DIR``: DIR, kept;
 else a temporary directory, removed once the result is written).
@@ -187,6 +196,8 @@ def host(args: argparse.Namespace) -> int:
         dht_module.NODE_POLICY = json.loads(args.dht_policy)
     if args.p2pd_memory_limit:  # the p2pd daemons inherit it: Go's soft memory limit
         os.environ["GOMEMLIMIT"] = args.p2pd_memory_limit
+    if args.p2pd_gogc:  # and this: how far Go lets its heap grow past the live heap before collecting (100: 2x)
+        os.environ["GOGC"] = str(args.p2pd_gogc)
     cfg = load_config(TINY, json.loads(args.sets))
     apply_threads(1)
     data = DataPipeline(cfg.data, cfg.seed)
@@ -389,6 +400,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                         *(["--dht-policy", args.dht_policy] if args.dht_policy else []),
                         *(["--p2pd-memory-limit", args.p2pd_memory_limit] if args.p2pd_memory_limit else []),
                         *(["--merge-pages"] if args.merge_pages else []),
+                        *(["--p2pd-gogc", str(args.p2pd_gogc)] if args.p2pd_gogc else []),
                         "--initial",
                         *initial,
                     ]
@@ -431,6 +443,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         dht_policy=args.dht_policy,
         p2pd_memory_limit=args.p2pd_memory_limit,
         merge_pages=args.merge_pages,
+        p2pd_gogc=args.p2pd_gogc,
         start_retries=start_retries,
         seconds=round(time.monotonic() - started, 1),
         # the rounds' own cost: after every peer was up (their start-up - keys, p2pd, the DHT's bootstrap - left out)
@@ -467,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matchmaking-log", action="store_true", help="hivemind's matchmaking at debug level in host*.log")
     p.add_argument("--dht-policy", help="JSON: the peers' DHT node cache settings instead of dht.NODE_POLICY")
     p.add_argument("--p2pd-memory-limit", help="GOMEMLIMIT for the peers' p2pd, e.g. 24MiB (default none)")
+    p.add_argument("--p2pd-gogc", type=int, help="GOGC for the peers' p2pd, e.g. 50 (default Go's: 100)")
     p.add_argument(
         "--merge-pages",
         action="store_true",
