@@ -602,9 +602,10 @@ def wait_for_start_peers(members: Membership, cfg: Config, tag: RoundTag, stop: 
     only against expiry while waiting, 64 peers began round 1 expecting 17-20 of them, and lost 41 and 61
     peer-rounds in two runs: measured)."""
     want, deadline = cfg.swarm.start_peers, time.monotonic() + cfg.swarm.join_timeout
-    announced = False
+    announced, most = False, 1
     while want > 1 and time.monotonic() < deadline and not stop.is_set():
         seen = 1 + len(members.mates())
+        most = max(most, seen)
         if seen >= want:
             log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
             return
@@ -614,4 +615,9 @@ def wait_for_start_peers(members: Membership, cfg: Config, tag: RoundTag, stop: 
         # slower each one asks
         stop.wait(min(START_POLL_MAX, 0.5 + seen / 16))
     if want > 1:
-        log.warning("fewer than swarm.start_peers=%d peers after %.0fs: starting anyway", want, cfg.swarm.join_timeout)
+        log.warning(
+            "fewer than swarm.start_peers=%d peers after %.0fs (at most %d read as up at once): starting anyway",
+            want,
+            cfg.swarm.join_timeout,
+            most,
+        )
