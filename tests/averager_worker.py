@@ -11,7 +11,9 @@ tests/faults.py), optional
 does that many seconds of torch work and prints ``SERVING {json}`` as it begins), optional ``gather_garbage``
 (send this value instead of a gather payload), optional ``weight_scale`` (put this multiple of the declared
 tokens on the wire as the weight), optional ``forge`` (sign the payload with a key that is not this peer's),
-optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``client_mode``
+optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``cut_replies_after``
+(keep only that many averaged parts from the first other reducer, then fail its stream: prints ``CUT {json}``),
+optional ``client_mode``
 (true: a client-mode DHT node and averager, as a peer behind NAT runs), optional ``identity_path``
 (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the peer ids of a closed run),
 optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wait`` (the waits the host's
@@ -93,6 +95,42 @@ def _install_split_lie() -> None:
     ExactRunner._accumulate_parts_streaming = split
 
 
+def _install_cut_replies(after: int) -> None:
+    """This member keeps only the first ``after`` averaged parts its first other reducer sends back each attempt,
+    reads the rest (so the reducer finishes as usual: it sees nothing wrong) and then fails that stream, as a reset
+    connection would: its slice of that reducer stops short, while every other member gets it whole."""
+    from p2p_diloco.swarm.butterfly import ExactRunner
+
+    original = ExactRunner._get_peer_stub
+
+    def stub(self, peer):  # type: ignore[no-untyped-def]
+        inner = original(self, peer)
+        if peer != next(p for p in self.ordered_peer_ids if p != self.peer_id):
+            return inner
+
+        class Cut:
+            def __getattr__(self, name: str) -> object:
+                return getattr(inner, name)
+
+            async def rpc_aggregate_part(self, requests):  # type: ignore[no-untyped-def]
+                stream = await inner.rpc_aggregate_part(requests)
+
+                async def cut():  # type: ignore[no-untyped-def]
+                    kept = 0
+                    async for message in stream:
+                        kept += 1
+                        if kept <= after:
+                            yield message
+                    emit("CUT", {"kept": after, "of": kept})
+                    raise ConnectionResetError("injected: the reducer's replies cut short")
+
+                return cut()
+
+        return Cut()
+
+    ExactRunner._get_peer_stub = stub
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -104,6 +142,8 @@ def main() -> None:
 
     if cfg.get("lie_to_first"):  # as a reducer, send the first other sender an average 0.1% off (the others the truth)
         _install_split_lie()
+    if cfg.get("cut_replies_after") is not None:
+        _install_cut_replies(int(cfg["cut_replies_after"]))
     if cfg.get("kill_after_parts"):
         install_kill_after_sends(int(cfg["kill_after_parts"]), lambda sent: emit("DYING", {"t": time.time()}))
     shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]

@@ -281,6 +281,31 @@ def test_peer_killed_mid_allreduce_never_yields_a_partial_mean(spawn):
 
 
 @pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_a_reducers_replies_cut_short_for_one_member_cost_no_retry(spawn):
+    """Peer 0 keeps only the first averaged part its first other reducer sends back (every attempt: a reset stream),
+    while that reducer and the third member complete. It copies that reducer's slice whole from a mate (repair.py):
+    all three end complete in one attempt, bitwise equal, on the weighted mean. Without the repair every attempt
+    fails the vote and the round is lost."""
+    shapes = [[300, 500], [60000], [40, 1000]]  # 250k floats; 8 KiB parts: about 40 parts per reducer
+    averager = {**FAST, "part_size_bytes": 8 * 1024, "matchmaking_time": 3.0}
+    peers = start_swarm(spawn, 3, per_peer={0: {"cut_replies_after": 1}}, shapes=shapes, averager=averager)
+    weights = [1.0, 3.0, 2.0]
+    for peer, weight in zip(peers, weights, strict=True):
+        peer.send(f"REDUCE {weight}")
+    cut = peers[0].expect("CUT", 60)
+    results = [peer.expect("RESULT", 90) for peer in peers]
+    infos = [res["info"] for res in results]
+    print("cut replies:", json.dumps({"cut": cut, "infos": [(i["attempts"], i["reason"]) for i in infos]}))
+    assert cut["of"] > cut["kept"] == 1, cut  # the reducer sent its whole slice; peer 0 kept one part of it
+    assert all(i["complete"] and i["group_size"] == 3 and i["attempts"] == 1 for i in infos), infos
+    first = peers[0].result()
+    for peer in peers[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, peer.result(), strict=True))
+    assert_close(first, weighted_mean([0, 1, 2], weights, shapes))
+
+
+@pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_two_of_eight_killed_mid_allreduce_cost_the_survivors_no_round(spawn):
     """A round of 8 in one group; 2 members are SIGKILLed after handing over a few parts. The survivors' reduce still

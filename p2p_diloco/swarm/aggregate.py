@@ -28,7 +28,9 @@ Completeness (hivemind 1.1.12 returns success for a partly failed all-reduce). `
 ``tensor_part_container.failed_size == 0`` (a failed reducer's slice keeps LOCAL values, partition.py:128-136)
 and its own reducer got every part of every sender, nobody banned (``sender_failed_after`` all inf,
 ``num_parts_received`` full; a banned sender is silently left out of the rest of that slice, partition.py:248,
-invisible to other members). The members then agree on their verdicts (vote.py). ``ExactRunner`` (butterfly.py)
+invisible to other members). A reducer's slice whose replies stopped short for this member only (a reset stream)
+is first copied whole from a mate that got it (repair.py), so one lost reply costs no retry. The members then agree
+on their verdicts (vote.py). ``ExactRunner`` (butterfly.py)
 is the all-reduce of one attempt: averaged parts bitwise equal on every member, stalled senders banned, payload
 bytes counted.
 
@@ -87,7 +89,7 @@ class AggregateMixin:
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         """Run the stock butterfly, judge this member's view of it, then agree with the group (rpc_vote)."""
         t_group, gathered, reason, verdict, runner, digest = time.monotonic(), Gathered(), "", False, None, b""
-        groups, dropped = 1, {}
+        groups, dropped, repaired = 1, {}, {}
         vote = self._vote_state(group_info.group_id, group_info.peer_ids)["mine"]
         modes = [AveragingMode.NODE] * group_info.group_size
         try:
@@ -133,6 +135,8 @@ class AggregateMixin:
                 self._running_groups[group_info.group_id].set_result(runner)
                 async for tensor, averaged in azip(as_aiter(*local_tensors), runner):
                     tensor.copy_(averaged)
+                if runner.failed_values and not runner.lying_reducers:  # a reply cut short: a mate may hold it
+                    repaired = await self._repair_slices(runner, list(local_tensors), self.request_timeout_s)
                 digest = _digest(local_tensors)
             container, reducer = runner.tensor_part_container, runner.tensor_part_reducer
             dropped = dict(reducer.pointed_away)
@@ -149,8 +153,10 @@ class AggregateMixin:
                 for liar in liars:
                     self._banned[liar] = time.monotonic() + BAN_SECONDS
                 reason = f"reducer(s) {', '.join(p[-6:] for p in liars)} returned an average too long to be one: banned"
-            elif container.failed_size:
-                why = "; ".join(f"{peer[-6:]}: {text}" for peer, text in runner.failed_reducers.items())
+            elif container.failed_size > sum(repaired.values()):
+                why = "; ".join(
+                    f"{peer[-6:]}: {text}" for peer, text in runner.failed_reducers.items() if peer not in repaired
+                )
                 reason = f"{container.failed_size} of {container.total_size} values lost their reducer ({why})"
             elif runner.banned_senders or any(math.isfinite(x) for x in reducer.sender_failed_after):
                 reason = "this peer's reducer dropped a sender mid-round"

@@ -37,6 +37,7 @@ registers every ``rpc_*`` method the class has, its mixins' included, under the 
                     the wait for mates that will be ready, admission (a closed run's list, the bans)
   aggregate.py      one attempt in the averager process: the members' signed payloads, the plan (one group or
                     several), the butterfly (butterfly.py) and this member's own verdict
+  repair.py         a reducer's slice whose replies stopped short for us, copied whole from a mate that got it
   vote.py           the completeness vote: every member's verdict, agreed across the round
   state_serving.py  our state served whole, a donor's downloaded with our bounds; the per-peer download budget
   state_pieces.py   the state in pieces: a donor's manifest and ranges of its state (swarm/download.py)
@@ -75,6 +76,7 @@ from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.in_thread import ThreadOrProcess
 from p2p_diloco.swarm.matchmaking import BAN_SECONDS, MatchmakingMixin
 from p2p_diloco.swarm.reduce import NO_REACHABLE_MEMBER, ReduceMixin
+from p2p_diloco.swarm.repair import RepairMixin
 from p2p_diloco.swarm.state_pieces import MANIFEST_COST, MAX_PIECE_PARTS, StatePiecesMixin
 from p2p_diloco.swarm.state_serving import SERVE_GRACE, StateServingMixin, _state_thread_of
 from p2p_diloco.swarm.strikes import Strikes
@@ -99,6 +101,7 @@ class PseudoGradAverager(
     ReduceMixin,
     MatchmakingMixin,
     AggregateMixin,
+    RepairMixin,
     VoteMixin,
     StateServingMixin,
     StatePiecesMixin,

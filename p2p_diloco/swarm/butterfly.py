@@ -54,6 +54,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 
 from p2p_diloco.robust import aggregate_counted, trusted_weight
 from p2p_diloco.swarm.combine import Combiner, RoundGroups, Settled
+from p2p_diloco.swarm.repair import slice_ranges
 from p2p_diloco.swarm.wire import CountingStub, PayloadBytes, WireCodec, counted_messages
 
 __all__ = ["Aggregation", "ExactRunner", "RobustPartReducer"]
@@ -234,12 +235,16 @@ class ExactRunner(AllReduceRunner):
         else:
             self.max_ratio = 2.0 * aggregation.clip * max(1.0, max(declared) / mine)
         self.part_shapes_by_peer = [[part.shape for part, _ in parts] for parts in container._input_parts_by_peer]
+        # each reducer's (start, length) in the flat vector, kept: the container drops its parts when the all-reduce
+        # ends, and repair.py needs them after
+        self.slice_ranges = slice_ranges(self.part_shapes_by_peer)
         own_parts = [[float(part.norm()) ** 2 for part, _ in parts] for parts in container._input_parts_by_peer]
         self.own_slice_norms = [math.sqrt(sum(parts)) for parts in own_parts]
         self._slice_sq = [0.0] * len(own_parts)  # per reducer: the squared norm of its averaged parts so far
         self._slice_left = [len(parts) for parts in own_parts]
         self.lying_reducers: set[Any] = set()
         self.failed_reducers: dict[str, str] = {}  # reducer -> why its slice came back incomplete (our end's view)
+        self.failed_values: dict[str, int] = {}  # another reducer -> the values of its slice that did not come
         register = container.register_processed_part
 
         def checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
@@ -327,6 +332,7 @@ class ExactRunner(AllReduceRunner):
         except BaseException as exc:
             got, total = container._outputs_registered_by_peer[index], container.num_parts_by_peer[index]
             self.failed_reducers[str(peer_id)] = f"{exc!r:.200} after {got} of {total} parts"
+            self.failed_values[str(peer_id)] = sum(math.prod(shape) for shape in shapes[got:total])
             container.register_failed_reducer(index)
             raise
 
