@@ -52,6 +52,7 @@ class ReduceInfo:
     groups: int = 1  # the groups the round ran as (protocol.split_groups): one butterfly each, their means combined
     dropped: dict[str, int] = field(default_factory=dict)  # sender -> parts our reducer dropped by direction
     group_reads: int = 0  # DHT lookups of the group key's declarations that matchmaking made (swarm/matchmaking.py)
+    repaired: int = 0  # reducers' slices whose replies stopped short, copied whole from a mate (swarm/repair.py)
 
 
 class Reducer(Protocol):
@@ -136,6 +137,7 @@ class RoundResult:
             "bytes_sent": self.reduce.bytes_sent,
             "bytes_received": self.reduce.bytes_received,
             "group_reads": self.reduce.group_reads,
+            "repaired_slices": self.reduce.repaired,
             "outer_lr": self.outer_lr,
             "checksum": self.checksum,
             "decision": self.decision.value,

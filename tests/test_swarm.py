@@ -206,14 +206,16 @@ def test_three_peers_agree_every_round_and_match_the_simulator(spawn, tmp_path, 
     for step in (1, 2, 3):
         expected = 3 * (measured[step - 1] if sparse else wire_bytes_sent(cfg, shapes, 3))
         rows = [
-            (r["bytes_sent"], r["bytes_received"], r["reduce_attempts"])
+            (r["bytes_sent"], r["bytes_received"], r["reduce_attempts"], r["repaired_slices"])
             for d in dirs
             for r in records(d)
             if r["outer_step"] == step
         ]
         sent = sum(row[0] for row in rows)
-        if all(attempts == 1 for *_, attempts in rows):
-            assert sent == sum(row[1] for row in rows), (step, rows)  # (sent, received, attempts) per member
+        # a repaired slice (repair.py: seen in a fresh-clone check, one member got 95.1% of the results and copied
+        # the rest from a mate) adds the copy and loses the replies that broke on the way: the else branch's bounds
+        if all(attempts == 1 and repaired == 0 for *_, attempts, repaired in rows):
+            assert sent == sum(row[1] for row in rows), (step, rows)  # (sent, received, attempts, repaired)
             print(f"round {step}: {sent} bytes sent by the 3 peers, {sent / expected:.4f} of {expected:.0f}")
             # a part's message framing (some 20 bytes, an empty part's too) weighs more beside a few KB of top-k
             assert (0.95 if sparse else 1.0) <= sent / expected < (1.15 if sparse else 1.03), (step, sent, expected)

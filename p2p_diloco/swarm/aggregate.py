@@ -179,6 +179,7 @@ class AggregateMixin:
             t_group=t_group,
             reason=reason or "members without a complete result: " + ", ".join(against),
             silent=silent,  # members that did not answer the vote: dead or cut off (reduce.py: suspects)
+            repaired=len(repaired),  # reducers' slices copied from a mate (repair.py)
             dropped=dropped,  # sender -> parts our reducer dropped for pointing against the others (robust.py)
             # the host's copy of the bans (it is another process): seconds each has left
             banned={p: until - time.monotonic() for p, until in self._banned.items()},

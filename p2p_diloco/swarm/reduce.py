@@ -176,6 +176,7 @@ class ReduceMixin:
             return None, f"all-reduce failed ({type(e).__name__}: {e})", True
         info.matchmaking_seconds += out["t_group"] - t0
         info.allreduce_seconds += time.monotonic() - out["t_group"]
+        info.repaired += out.get("repaired", 0)
         self._count_since(info, totals, reads)
         for peer, left in out.get("banned", {}).items():  # the averager process banned them: admits() says so too
             self._banned[peer] = max(self._banned.get(peer, 0.0), time.monotonic() + left)
