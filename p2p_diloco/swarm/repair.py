@@ -34,11 +34,12 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
+from p2p_diloco.state_parts import read_values, write_values
 from p2p_diloco.swarm.wire import PayloadBytes
 
 log = logging.getLogger("p2p_diloco.averager")
 
-__all__ = ["RepairMixin", "read_range", "slice_ranges", "write_range"]
+__all__ = ["RepairMixin", "slice_ranges"]
 
 
 def slice_ranges(part_shapes_by_peer: list[list[torch.Size]]) -> list[tuple[int, int]]:
@@ -46,31 +47,6 @@ def slice_ranges(part_shapes_by_peer: list[list[torch.Size]]) -> list[tuple[int,
     hivemind's TensorPartContainer gives each reducer: it hands them consecutive ranges, in the group's order."""
     sizes = [sum(math.prod(shape) for shape in shapes) for shapes in part_shapes_by_peer]
     return [(sum(sizes[:k]), sizes[k]) for k in range(len(sizes))]
-
-
-def _flat_range(tensors: list[torch.Tensor], start: int, length: int) -> list[tuple[torch.Tensor, int, int]]:
-    """The pieces of ``tensors`` (flattened, one after the other) that the range covers: (tensor, from, to)."""
-    pieces, offset = [], 0
-    for tensor in tensors:
-        n = tensor.numel()
-        lo, hi = max(start, offset), min(start + length, offset + n)
-        if lo < hi:
-            pieces.append((tensor, lo - offset, hi - offset))
-        offset += n
-    return pieces
-
-
-def read_range(tensors: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
-    """A copy of the flat range ``[start, start + length)`` of ``tensors``."""
-    return torch.cat([t.reshape(-1)[lo:hi] for t, lo, hi in _flat_range(tensors, start, length)]).clone()
-
-
-def write_range(tensors: list[torch.Tensor], start: int, values: torch.Tensor) -> None:
-    """Write ``values`` over the flat range of ``tensors`` from ``start`` on."""
-    done = 0
-    for tensor, lo, hi in _flat_range(tensors, start, values.numel()):
-        tensor.reshape(-1)[lo:hi].copy_(values[done : done + hi - lo])
-        done += hi - lo
 
 
 class RepairMixin:
@@ -99,7 +75,7 @@ class RepairMixin:
                     return repaired
                 values = await self._ask_slice(mate, runner, reducer, start, length, min(timeout, left))
                 if values is not None:
-                    write_range(tensors, start, values)
+                    write_values(tensors, start, values)
                     repaired[reducer] = lost
                     log.info("took reducer %s's slice (%d values) from mate %s", reducer[-6:], length, str(mate)[-6:])
                     break
@@ -144,7 +120,7 @@ class RepairMixin:
         members = [str(p) for p in runner.ordered_peer_ids]
         if str(context.remote_id) not in members or reducer not in members or reducer in runner.failed_reducers:
             return refused
-        if tuple(runner.slice_ranges[members.index(reducer)]) != (start, length):
+        if length <= 0 or tuple(runner.slice_ranges[members.index(reducer)]) != (start, length):
             return refused
         mine = self._vote_state(group_id)["mine"]
         try:  # our butterfly is over and judged complete: our tensors hold the round's mean
@@ -153,7 +129,7 @@ class RepairMixin:
             return refused
         if not verdict or group_id not in self._running_groups:  # over: our host may be writing the next Δ there
             return refused
-        values = read_range(list(self._averaged_tensors), start, length)  # no await from the check to the copy
+        values = read_values(self._averaged_tensors, start, start + length)  # no await from the check to the copy
         reply = averaging_pb2.DownloadData(tensor_part=serialize_torch_tensor(values))
         PayloadBytes(self._payload_totals).add(PayloadBytes.SENT, reply.ByteSize())
         return reply
