@@ -53,6 +53,7 @@ __all__ = [
     "RESULTS_DIR",
     "Proc",
     "Recorder",
+    "cpu_seconds",
     "descendants",
     "ended_on",
     "exit_on_sigterm",
@@ -282,6 +283,15 @@ def proc_memory(pid: int) -> dict[str, int] | None:
     return out if "VmRSS" in out else None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process, in seconds (None when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 _SS_USER = re.compile(r'\("([^"]+)",pid=(\d+),fd=\d+\)')
 
 
@@ -353,14 +363,12 @@ def mark_mergeable() -> None:
 
 def ksmd_cpu_seconds() -> float:
     """CPU seconds the kernel's ksmd thread has used since boot (0.0 when there is none)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for comm in Path("/proc").glob("[0-9]*/comm"):
         try:
-            text = stat.read_text()
+            if comm.read_text().strip() == "ksmd":
+                return cpu_seconds(int(comm.parent.name)) or 0.0
         except OSError:
             continue
-        if "(ksmd)" in text:
-            fields = text.rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return 0.0
 
 

@@ -79,6 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
     RESULTS_DIR,
     Proc,
+    cpu_seconds,
     ended_on,
     exit_on_sigterm,
     fill_defaults,
@@ -278,15 +279,6 @@ def _used() -> int:
     return m["MemTotal"] - m["MemAvailable"]
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a live process, in seconds (None when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def summarize(
     args: argparse.Namespace,
     records: list[list[dict[str, Any]]],
@@ -369,7 +361,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             if sum(by_name.values()) > pss[0]:
                 pss[0], pss_split[0] = sum(by_name.values()), dict(by_name)
             for p, name in named.items():
-                if (seconds := _cpu_seconds(p)) is not None:
+                if (seconds := cpu_seconds(p)) is not None:
                     cpu_seen[p] = (name, seconds)
 
     problem, started, cpu_at_start = "", time.monotonic(), None
