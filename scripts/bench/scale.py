@@ -246,10 +246,14 @@ def host(args: argparse.Namespace) -> int:
         time.sleep(0.5)  # p2pd start-ups one after the other
     for _ in threads:
         up.acquire()
-    print("HOSTUP", flush=True)  # the driver starts the next host process now
+    # the driver starts the next host process now. One write that starts a line: the peers' threads print to this
+    # stdout too, and print() writes a line's text and its newline apart (CI once read "...checksum acfff112HOSTUP")
+    sys.stdout.write("\nHOSTUP\n")
+    sys.stdout.flush()
     for t in threads:
         t.join()
-    print("HOST " + json.dumps({"results": results, "dht_calls": calls, "start_retries": retried}), flush=True)
+    sys.stdout.write("\nHOST " + json.dumps({"results": results, "dht_calls": calls, "start_retries": retried}) + "\n")
+    sys.stdout.flush()
     return 0 if all(r == "0" for r in results.values()) else 1
 
 
