@@ -13,6 +13,7 @@ does that many seconds of torch work and prints ``SERVING {json}`` as it begins)
 tokens on the wire as the weight), optional ``forge`` (sign the payload with a key that is not this peer's),
 optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``cut_replies_after``
 (keep only that many averaged parts from the first other reducer, then fail its stream: prints ``CUT {json}``),
+optional ``hostile_asks`` (before repairing a slice, ask each mate for it in ways it must refuse: ``ASKS {json}``),
 optional ``client_mode``
 (true: a client-mode DHT node and averager, as a peer behind NAT runs), optional ``identity_path``
 (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the peer ids of a closed run),
@@ -131,6 +132,63 @@ def _install_cut_replies(after: int) -> None:
     ExactRunner._get_peer_stub = stub
 
 
+def _hostile_asks(runner, reducer: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+    """Asks for ``reducer``'s averaged slice that a mate must refuse, by what is wrong with each (wire bytes)."""
+    from hivemind.utils import MSGPackSerializer
+
+    start, length = runner.slice_ranges[[str(p) for p in runner.ordered_peer_ids].index(reducer)]
+    good = {"group_id": runner.group_id, "reducer": reducer, "start": start, "length": length}
+
+    def ask(**changes: object) -> bytes:
+        return MSGPackSerializer.dumps({**good, **changes})
+
+    return {
+        "not msgpack": b"\xc1\xff not an ask",
+        "too long": ask(reducer=reducer + "x" * 600),
+        "not a dict": MSGPackSerializer.dumps([runner.group_id, reducer, start, length]),
+        "a field missing": MSGPackSerializer.dumps({k: v for k, v in good.items() if k != "length"}),
+        "group id a str": ask(group_id="group"),
+        "reducer a list": ask(reducer=[reducer]),
+        "start a float": ask(start=float(start)),
+        "length a str": ask(length=str(length)),
+        "length a bool": ask(start=0, length=True),
+        "another group": ask(group_id=bytes(len(runner.group_id))),
+        "a reducer not in the group": ask(reducer="QmNotInThisGroup"),
+        "another range": ask(start=start + 1),
+        "a longer range": ask(length=length + 1),
+        "an empty range": ask(length=0),
+        "a negative start": ask(start=-1),
+    }
+
+
+def _install_hostile_asks() -> None:
+    """Before this member repairs a slice, it sends each mate the asks of ``_hostile_asks`` and prints
+    ``ASKS {json}``: per mate, per ask, "refused" (an empty reply), "served" or the error the call raised."""
+    from hivemind.proto import averaging_pb2
+
+    from p2p_diloco.swarm.averager import PseudoGradAverager
+
+    honest = PseudoGradAverager._repair_slices
+
+    async def repair(self, runner, tensors, timeout):  # type: ignore[no-untyped-def]
+        outcomes: dict[str, dict[str, str]] = {}
+        reducer = next(iter(runner.failed_values), None)
+        mates = [p for p in runner.ordered_peer_ids if p != self.peer_id]
+        for mate in mates if reducer is not None else []:
+            seen = outcomes.setdefault(str(mate)[-6:], {})
+            stub = self.get_stub(self._p2p, mate, namespace=self.prefix)
+            for what, meta in _hostile_asks(runner, reducer).items():
+                try:
+                    reply = await stub.rpc_averaged_slice(averaging_pb2.DownloadData(metadata=meta), timeout=timeout)
+                    seen[what] = "served" if reply.HasField("tensor_part") else "refused"
+                except Exception as exc:  # noqa: BLE001 - the mate's handler raised: what the test must not see
+                    seen[what] = f"error: {exc!r:.200}"
+        emit("ASKS", {"reducer": reducer, "mates": outcomes})
+        return await honest(self, runner, tensors, timeout)
+
+    PseudoGradAverager._repair_slices = repair
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -144,6 +202,8 @@ def main() -> None:
         _install_split_lie()
     if cfg.get("cut_replies_after") is not None:
         _install_cut_replies(int(cfg["cut_replies_after"]))
+    if cfg.get("hostile_asks"):
+        _install_hostile_asks()
     if cfg.get("kill_after_parts"):
         install_kill_after_sends(int(cfg["kill_after_parts"]), lambda sent: emit("DYING", {"t": time.time()}))
     shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]

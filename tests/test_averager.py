@@ -288,18 +288,25 @@ def test_a_reducers_replies_cut_short_for_one_member_cost_no_retry(spawn):
     """Peer 0 keeps only the first averaged part its first other reducer sends back (every attempt: a reset stream),
     while that reducer and the third member complete. It copies that reducer's slice whole from a mate (repair.py):
     all three end complete in one attempt, bitwise equal, on the weighted mean. Without the repair every attempt
-    fails the vote and the round is lost."""
+    fails the vote and the round is lost. Before it repairs, peer 0 asks each mate for that slice in 15 ways a mate
+    must refuse (bytes that are not an ask, fields of the wrong type, another group, reducer or range): each gets an
+    empty reply, no handler raises, and the honest ask after them is still served."""
     shapes = [[300, 500], [60000], [40, 1000]]  # 250k floats; 8 KiB parts: about 40 parts per reducer
     averager = {**FAST, "part_size_bytes": 8 * 1024, "matchmaking_time": 3.0}
-    peers = start_swarm(spawn, 3, per_peer={0: {"cut_replies_after": 1}}, shapes=shapes, averager=averager)
+    faults = {"cut_replies_after": 1, "hostile_asks": True}
+    peers = start_swarm(spawn, 3, per_peer={0: faults}, shapes=shapes, averager=averager)
     weights = [1.0, 3.0, 2.0]
     for peer, weight in zip(peers, weights, strict=True):
         peer.send(f"REDUCE {weight}")
     cut = peers[0].expect("CUT", 60)
+    asks = peers[0].expect("ASKS", 60)
     results = [peer.expect("RESULT", 90) for peer in peers]
     infos = [res["info"] for res in results]
     print("cut replies:", json.dumps({"cut": cut, "infos": [(i["attempts"], i["reason"]) for i in infos]}))
     assert cut["of"] > cut["kept"] == 1, cut  # the reducer sent its whole slice; peer 0 kept one part of it
+    assert asks["reducer"] is not None and len(asks["mates"]) == 2, asks
+    for outcomes in asks["mates"].values():
+        assert len(outcomes) == 15 and set(outcomes.values()) == {"refused"}, asks
     assert all(i["complete"] and i["group_size"] == 3 and i["attempts"] == 1 for i in infos), infos
     first = peers[0].result()
     for peer in peers[1:]:

@@ -8,11 +8,12 @@ Output:  ``_repair_slices``: the reducers whose slices were copied in from a mat
          ``rpc_averaged_slice``: that range of this member's averaged vector, for a mate of the same group.
 State:   none of its own: a mate serves from hivemind's ``_running_groups`` (its runner, while its attempt is not
          over) and its own vote (``_votes``: only once its own verdict is complete).
-Failure: nothing raises. A mate that is not in the group, has no complete result, lost that reducer too, or
-         computes another range for it, answers an empty reply; the member then asks the next mate and, when none
-         has it, keeps the slice failed: the attempt fails and is retried, as before. A mate that sends other values
-         than the rest gets the copy past this step, not past the vote: the digest of our vector then differs from
-         the others' and the attempt fails for everyone.
+Failure: nothing raises. A mate answers an empty reply to an ask that is not one (bytes that do not read as the
+         four fields of their types, an empty range), from a peer not in its group, for a reducer that is not in the
+         group or whose slice it lost too, for another range than the one it computes, or while it has no complete
+         result; the member then asks the next mate and, when none has it, keeps the slice failed: the attempt fails
+         and is retried, as before. A mate that sends other values than the rest gets the copy past this step, not
+         past the vote: the digest of our vector then differs from the others' and the attempt fails for everyone.
 
 Why: an incomplete all-reduce fails the attempt for every member of the round (the vote), and the retry sends every
 Δ again. Measured: a member lost the last part (16 values) of one reducer's slice in a round of 6, and all 6 peers
@@ -47,6 +48,25 @@ def slice_ranges(part_shapes_by_peer: list[list[torch.Size]]) -> list[tuple[int,
     hivemind's TensorPartContainer gives each reducer: it hands them consecutive ranges, in the group's order."""
     sizes = [sum(math.prod(shape) for shape in shapes) for shapes in part_shapes_by_peer]
     return [(sum(sizes[:k]), sizes[k]) for k in range(len(sizes))]
+
+
+def _read_ask(serializer: Any, metadata: bytes) -> tuple[bytes, str, int, int] | None:
+    """(group_id, reducer, start, length) of a mate's ask, or None when its bytes are not one: too long, not what
+    ``serializer`` reads, not a dict of those four of those types, or an empty or negative range."""
+    if len(metadata) > 512:
+        return None
+    try:
+        ask = serializer.loads(metadata)
+    except Exception:  # noqa: BLE001 - a stranger's bytes: refused, never raised
+        return None
+    if not isinstance(ask, dict):
+        return None
+    group_id, reducer, start, length = (ask.get(key) for key in ("group_id", "reducer", "start", "length"))
+    if not (isinstance(group_id, bytes) and isinstance(reducer, str) and type(start) is int and type(length) is int):
+        return None  # type(...) is int: a bool is an int too
+    if start < 0 or length <= 0:
+        return None
+    return group_id, reducer, start, length
 
 
 class RepairMixin:
@@ -108,19 +128,20 @@ class RepairMixin:
         verdict on the attempt is complete, when the reducer's slice reached it whole and the range is the one it
         computes too; else an empty reply."""
         refused = averaging_pb2.DownloadData()
-        try:
-            ask = self.serializer.loads(request.metadata) if len(request.metadata) <= 512 else None
-            group_id, reducer, start, length = ask["group_id"], ask["reducer"], ask["start"], ask["length"]
-        except Exception:  # noqa: BLE001 - a stranger's bytes: refused, never raised
+        ask = _read_ask(self.serializer, request.metadata)
+        if ask is None:
             return refused
-        future = self._running_groups.get(group_id) if isinstance(group_id, bytes) else None
-        if future is None or not future.done() or future.exception() is not None or not self.admits(context.remote_id):
+        group_id, reducer, start, length = ask
+        future = self._running_groups.get(group_id)
+        if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+            return refused
+        if not self.admits(context.remote_id):
             return refused
         runner = future.result()
         members = [str(p) for p in runner.ordered_peer_ids]
         if str(context.remote_id) not in members or reducer not in members or reducer in runner.failed_reducers:
             return refused
-        if length <= 0 or tuple(runner.slice_ranges[members.index(reducer)]) != (start, length):
+        if tuple(runner.slice_ranges[members.index(reducer)]) != (start, length):
             return refused
         mine = self._vote_state(group_id)["mine"]
         try:  # our butterfly is over and judged complete: our tensors hold the round's mean
