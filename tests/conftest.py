@@ -23,9 +23,12 @@ os.environ.setdefault(WARM_START_VARIABLE, "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two tests at a time (pytest -n 2): torch's idle OpenMP threads spin, so a test that trains in this process
     # with 2 threads beside the other worker's test ran several times slower (BENCHMARKS.md item 12); 1 thread
-    # each, as the peers the tests start already have (scripts/procs.py sets their OMP_NUM_THREADS=1)
+    # each, as the peers the tests start already have (scripts/procs.py sets their OMP_NUM_THREADS=1). The
+    # variable too: the simulator and the engine call threads.apply_threads, whose auto would set 2 again (the
+    # swarm-equals-simulator test's simulation of 9 worker-rounds took 81 s beside the bench smokes, 1.3 s without)
     import torch
 
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 TAIL_LINES = 60  # of each stream of each child, printed when a test fails
