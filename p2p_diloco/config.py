@@ -205,7 +205,7 @@ class SwarmConfig:
     overlap_carry: float = 0.5
     record_ttl: float = 120.0  # seconds a peer's DHT record stays fresh
     start_peers: int = 1  # wait (up to join_timeout) until this many peers of the run are up before round 1
-    linger_seconds: float = 10.0  # after the last round, keep serving the state to peers that still resync
+    linger_seconds: float = 10.0  # after the last round, serve the state to peers that still resync (at most)
     # How each reducer combines its part of the senders' Δ (p2p_diloco/robust.py; the measurements behind this choice
     # are in docs/robust_aggregation.md). median_filter: a sender whose part norm is over aggregation_clip x the
     # median part norm counts 0 for that part, the rest are averaged. All honest, it was bitwise the plain mean (tiny,

@@ -171,6 +171,30 @@ def test_a_peer_is_alone_only_when_the_read_answered_and_no_mate_averages():
 
 
 @pytest.mark.timeout(60)
+def test_a_done_peer_is_served_out_only_when_every_live_mate_is_done_on_its_state():
+    """``served_out`` (a done peer then stops lingering): only when the read answered and every live mate with our
+    settings is done and holds our final state; a mate still training, or done on another state, keeps us, and so
+    does a mate an earlier read showed averaging that this read lacks."""
+    cfg = load_config(TINY, [])
+    with _three_members(cfg) as ((reader, mate, stranger), _):
+        final, other = RoundTag(3, "a" * 16), RoundTag(3, "b" * 16)
+        assert not reader.served_out(final)  # nothing read back, not even our own announcement: not sure
+        assert reader.announce(final) and reader.finish()
+        assert reader.served_out(final)  # nobody else
+        stranger.fingerprint = "other settings"
+        assert stranger.announce(other)
+        assert reader.served_out(final)  # a peer of other settings never takes our state
+        assert mate.announce(other)
+        assert not reader.served_out(final)  # training still
+        assert mate.finish()
+        assert not reader.served_out(final)  # done, but on another state: the end-of-run heal may take ours
+        assert mate.announce(final)
+        assert reader.served_out(final)
+        reader._averaging_seen["QmAMateThisReadLacks"] = time.monotonic()
+        assert not reader.served_out(final)  # seen averaging lately, missing from this read: not sure it is done
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_on_the_smaller_lineage_of_a_split_moves_to_the_larger_one():
     """Two groups formed apart from one state: the lineage more live peers hold is canonical; its peers stay, the
     others take its furthest state the swarm offers; as many on each: the smaller checksum at the latest common

@@ -515,6 +515,20 @@ class Membership(Announcements):
                 return True
         return False
 
+    def served_out(self, final: RoundTag) -> bool:
+        """Whether our lingering serves nobody any more: a fresh read answered, every live mate with our settings has
+        announced its run over (``done``) and holds ``final``, and no mate an earlier read showed averaging within
+        LIVE seconds is missing from it. A mate still training, or done on another state (the heal at the end of a
+        run may still take ours), keeps us; so does a read the DHT did not answer."""
+        everyone = self._everyone()
+        if everyone is None or self.peer_id not in everyone:
+            return False
+        mates = {p: v for p, v in everyone.items() if p != self.peer_id and v.get("fingerprint") == self.fingerprint}
+        horizon = time.monotonic() - self.LIVE
+        if any(seen > horizon and peer not in mates for peer, seen in list(self._averaging_seen.items())):
+            return False
+        return all(v.get("done") and _tags_of(v)[-1:] == [final] for v in mates.values() if v.get("live"))
+
     def held(self, max_age: float = 0.0) -> collections.Counter[RoundTag]:
         """How many other peers with our settings hold each state (the last tag they announce), read as ``others``."""
         return collections.Counter(
