@@ -16,8 +16,8 @@ from p2p_diloco.swarm.identity import Identity, work_bits
 
 pytestmark = pytest.mark.swarm
 
-ROUNDS = 4
-SETS = [f"train.rounds={ROUNDS}", "swarm.target_group_size=3", "swarm.linger_seconds=15"]
+ROUNDS = 400  # more than the admitted peers train before they are stopped: they train while the stranger tries
+SETS = [f"train.rounds={ROUNDS}", "swarm.target_group_size=3"]
 
 
 @pytest.mark.timeout(300)
@@ -36,9 +36,9 @@ def test_a_stranger_never_joins_a_closed_run(spawn, tmp_path, closed_by):
         keys[2] = Path(stranger.path)
         ids.append(stranger.peer_id)
         admission = "swarm.identity_work=4"
-    # the admitted peers serve their state long after their last round: the stranger, started once they are at round
-    # 2, must find them to be refused (under load its start-up alone took over 15 s, and their 4 rounds 4 s)
-    closed = [*SETS, admission, "swarm.start_peers=2", "swarm.linger_seconds=60"]
+    # the admitted peers train on until the stranger is gone: started once they are at round 2, it must find them to
+    # be refused (under load its start-up alone took over 15 s; a done peer stops lingering once its mates are done)
+    closed = [*SETS, admission, "swarm.start_peers=2"]
     _, initial = start_bootstrap(spawn)
     listed = [
         start_peer(spawn, initial, tmp_path / f"peer{k}", *closed, flags=("--identity-path", str(keys[k])))
@@ -48,8 +48,7 @@ def test_a_stranger_never_joins_a_closed_run(spawn, tmp_path, closed_by):
     # the stranger runs the same config without the allowlist or the work (nothing stops it from editing its copy)
     stranger = start_peer(spawn, initial, tmp_path / "peer2", *SETS, flags=("--identity-path", str(keys[2])))
     rc = stranger.wait(timeout=120)
-    for peer in listed:  # the stranger is gone: once done, their lingering has done its part (SIGTERM: exit 0)
-        peer.wait_for_line(rf"^round {ROUNDS}/{ROUNDS} ", timeout=180)
+    for peer in listed:  # the stranger is gone: they have done their part (SIGTERM: checkpoint, exit 0)
         os.kill(peer.pid, signal.SIGTERM)
     finish(listed, timeout=60)
     said = "\n".join(stranger.stderr_lines)
@@ -60,7 +59,8 @@ def test_a_stranger_never_joins_a_closed_run(spawn, tmp_path, closed_by):
     assert closed_by == "list" or "swarm.identity_work" in said, said
     assert not records(tmp_path / "peer2")  # it never trained a round
     by_step = checksums_by_step([tmp_path / "peer0", tmp_path / "peer1"])
-    assert sorted(by_step) == list(range(1, ROUNDS + 1)) and all(len(c) == 1 for c in by_step.values()), by_step
+    assert len(by_step) >= 2 and sorted(by_step) == list(range(1, len(by_step) + 1)), by_step
+    assert all(len(c) == 1 for c in by_step.values()), by_step
     for k in range(2):
         for rec in records(tmp_path / f"peer{k}"):
             assert set(rec.get("group_peers", ids[:2])) <= set(ids[:2]), rec
