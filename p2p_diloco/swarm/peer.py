@@ -372,7 +372,7 @@ class TrainingPeer:
         log.info("done; serving the final state to peers for up to %.0fs more", linger)
         started = time.monotonic()
         while (left := started + linger - time.monotonic()) > 0:
-            pause = LINGER_POLL + len(self.members.mates(LINGER_POLL)) / 16  # the more peers, the fewer reads each
+            pause = LINGER_POLL + len(self.members.mates(linger)) / 16  # the last read; the more peers, the fewer reads
             if self.opts.stop.wait(min(pause, left)):
                 return
             if self.members.served_out(final):
