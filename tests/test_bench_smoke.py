@@ -216,7 +216,7 @@ def test_stragglers_smoke(smoke):
     _, out = smoke("test_stragglers_smoke")
     data = load(out / "stragglers.json", "stragglers")
     assert_rows_positive(data)
-    assert [c["slow_peer"] for c in data["cases"]] == [True, True, True], data["cases"]  # the 3 slow-peer swarms
+    assert [c["slow_peer"] for c in data["cases"]] == [True, True], data["cases"]  # the row's 2 slow-peer swarms
     assert len(data["rows"]) == 1 and "its delayed Δ counted vs" in data["rows"][0]["figure"], data["rows"]
     for case in data["cases"]:  # every peer of every swarm trained and recorded rounds
         assert case["problem"] == "" and all(p["rounds_recorded"] > 0 for p in case["per_peer"]), case
