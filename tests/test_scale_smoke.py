@@ -81,3 +81,6 @@ def test_a_run_split_into_lone_peers_ends_on_one_state(tmp_path: Path) -> None:
                     "--h", "2", "--timeout", "300", "--set", "swarm.max_round_peers=1",
                     "--set", "swarm.min_group_size=1")  # fmt: skip
     assert case["final_states"] == 1 and case["healed_at_end"] == 2, (case, _heal_lines(Path(case["workdir"])))
+    # then none of them lingered its swarm.linger_seconds (20): each left once the others were done on its state
+    logs = "\n".join(log.read_text() for log in Path(case["workdir"]).glob("host*.log"))
+    assert logs.count("every live mate is done on this state: leaving after") == 3, _heal_lines(Path(case["workdir"]))
