@@ -101,7 +101,9 @@ def test_a_round_waits_for_the_mates_ending_within_its_patience_and_for_the_next
         assert reader.expected_members() == 2 and reader.group_wait() == 0.0
         fast.expect_ready(get_dht_time() + 4 * window)  # the non-blocking path, as the training peer announces
         deadline = get_dht_time() + 20
-        while reader.group_wait() > 25.0 and get_dht_time() < deadline:
+        # until the reader reads it back (the old announcement, "said long ago", still reads as expected: a wait of 0;
+        # under load a read came before the store landed: seen once in 5 runs beside a busy process)
+        while not 0.0 < reader.group_wait() <= 25.0 and get_dht_time() < deadline:
             time.sleep(0.2)
         # past our patience, as the slow one: nobody expected, so wait for the sooner of the two
         assert 10.0 < reader.group_wait() <= 20.0 and reader.expected_members() == 1
