@@ -24,7 +24,8 @@ case, written under its name into scripts/bench/results/one_state.json (``--out`
     peak_rss_bytes        the largest sum of every process's RSS (bootstrap, peers and their children), sampled 1/s
     peak_pss_bytes        the same in PSS (shared pages split among their processes: what the machine gives)
     churn                 with ``--churn K:SECONDS:TIMES`` (peer K SIGKILLed, with its whole process group, SECONDS
-                          after each start and started again with the same command, log dir and key, TIMES times; its
+                          after each start, or later once that life printed its first round, at most 2 x SECONDS;
+                          and started again with the same command, log dir and key, TIMES times; its
                           last life runs to the end): per life, its seconds, the rounds it trained, the rounds that
                           counted in a group of 2 or more, and the seconds from its start to the first that counted
                           (None: none did); ``locked_out`` counts the lives but the last that lasted SECONDS and
@@ -36,6 +37,7 @@ process group is killed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -61,7 +63,7 @@ from benchlib import (  # noqa: E402
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.procs import descendants  # noqa: E402
+from scripts.procs import ProcessOutputError, descendants  # noqa: E402
 
 TINY = "configs/tiny.yaml"
 DEFAULTS = {"peers": 6, "group": 3, "rounds": 12, "h": 10, "timeout": 900.0, "case": "default"}
@@ -191,6 +193,9 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             index = order.index(churned)
             for _ in range(times):
                 time.sleep(max(0.0, starts[-1] + every - time.time()))
+                with contextlib.suppress(ProcessOutputError):  # not before this life's first round, up to SECONDS more:
+                    # under load a start-up took over 25 s (CI), and a life killed before any round measures no lock-out
+                    procs[index].wait_for_line(r"^round \d+/", timeout=every)
                 again = procs[index].args
                 procs[index].kill_group()
                 procs[index] = Proc(again, env=env)
