@@ -501,8 +501,7 @@ class Membership(Announcements):
         announcements, or that the DHT did not answer, is not "every mate is done" (a guard: the split that ended a run
         on 2 states came from the order of the heal's reads, peer.py, not from a read shown to miss a mate)."""
         others = self.others()
-        horizon = time.monotonic() - self.LIVE
-        if any(seen > horizon and peer not in others for peer, seen in list(self._averaging_seen.items())):
+        if self._missing_lately_seen(others):
             return True
         for peer, v in others.items():
             if v.get("fingerprint") != self.fingerprint or not _averages(v):
@@ -524,10 +523,15 @@ class Membership(Announcements):
         if everyone is None or self.peer_id not in everyone:
             return False
         mates = {p: v for p, v in everyone.items() if p != self.peer_id and v.get("fingerprint") == self.fingerprint}
-        horizon = time.monotonic() - self.LIVE
-        if any(seen > horizon and peer not in mates for peer, seen in list(self._averaging_seen.items())):
+        if self._missing_lately_seen(mates):
             return False
         return all(v.get("done") and _tags_of(v)[-1:] == [final] for v in mates.values() if v.get("live"))
+
+    def _missing_lately_seen(self, read: dict[str, dict]) -> bool:
+        """Whether a mate that an earlier read showed averaging within LIVE seconds is missing from ``read`` (a read
+        can come back partial: missing is not gone)."""
+        horizon = time.monotonic() - self.LIVE
+        return any(seen > horizon and peer not in read for peer, seen in list(self._averaging_seen.items()))
 
     def held(self, max_age: float = 0.0) -> collections.Counter[RoundTag]:
         """How many other peers with our settings hold each state (the last tag they announce), read as ``others``."""

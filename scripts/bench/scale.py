@@ -147,6 +147,13 @@ def overrides(args: argparse.Namespace, run_id: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------ host process
 
 
+def _say(line: str) -> None:
+    """A line of the host's protocol on stdout, as one write that starts a line: the peers' threads print to this
+    stdout too, and print() writes a line's text and its newline apart (CI once read "...checksum acfff112HOSTUP")."""
+    sys.stdout.write(f"\n{line}\n")
+    sys.stdout.flush()
+
+
 def host(args: argparse.Namespace) -> int:
     """Run peers ``--first`` .. ``--first + --count - 1`` as threads of this process until they finish."""
     if args.merge_pages:  # before any p2pd starts: they inherit it
@@ -246,14 +253,10 @@ def host(args: argparse.Namespace) -> int:
         time.sleep(0.5)  # p2pd start-ups one after the other
     for _ in threads:
         up.acquire()
-    # the driver starts the next host process now. One write that starts a line: the peers' threads print to this
-    # stdout too, and print() writes a line's text and its newline apart (CI once read "...checksum acfff112HOSTUP")
-    sys.stdout.write("\nHOSTUP\n")
-    sys.stdout.flush()
+    _say("HOSTUP")  # the driver starts the next host process now
     for t in threads:
         t.join()
-    sys.stdout.write("\nHOST " + json.dumps({"results": results, "dht_calls": calls, "start_retries": retried}) + "\n")
-    sys.stdout.flush()
+    _say("HOST " + json.dumps({"results": results, "dht_calls": calls, "start_retries": retried}))
     return 0 if all(r == "0" for r in results.values()) else 1
 
 
