@@ -505,9 +505,11 @@ def test_ctrl_c_exits_cleanly_and_resume_continues_from_the_checkpoint(spawn, tm
 
 @pytest.mark.timeout(240)
 def test_resumed_peer_that_fell_behind_takes_the_swarm_state_before_its_first_step(spawn, tmp_path):
-    # 40 rounds of ~0.4 s: under CI load the stop reached the second peer only after all of 10 (seen)
+    # 40 rounds: under CI load the stop reached the second peer only after all of 10 (seen). Of ~1.5 s each (20
+    # steps): a donor serves the state it holds now, so a download must fit in one of its rounds; at 5 steps (~0.4 s)
+    # the resumed peer's downloads chased the lone peer's rounds and failed until its download budget ran out (seen)
     sets = ["train.rounds=40", "train.checkpoint_every=1", "swarm.matchmaking_time=3", "swarm.request_timeout=1"]
-    sets += ["swarm.linger_seconds=60"]
+    sets += ["swarm.linger_seconds=60", "inner.steps=20"]
     first = start_peer(spawn, [], tmp_path / "a", *sets)
     initial = first.wait_for_line(r"reachable as: --initial-peers ", timeout=60).string.split("--initial-peers ")[1]
     second = start_peer(spawn, initial.split(), tmp_path / "b", *sets)
@@ -527,5 +529,7 @@ def test_resumed_peer_that_fell_behind_takes_the_swarm_state_before_its_first_st
         assert proc.wait(timeout=60) == 0, proc.describe()
     assert {r["outer_step"]: r["checksum"] for r in records(tmp_path / "a")}.get(step) == checksum
     assert re.search(rf"resumed from \S+ \(round {saved.round}, [1-9]\d* batches read\)", again.stderr)
-    steps = [r["outer_step"] for r in records(tmp_path / "b")]
-    assert not [s for s in steps if saved.round < s <= step], steps  # no round trained on the stale state
+    # no round trained on the stale state: none recorded between it and the swarm's, and none applied to reach the
+    # swarm's (a round lost at the swarm's state after joining, its mate gone, is recorded at that state: seen in CI)
+    steps = [(r["outer_step"], r["lost"]) for r in records(tmp_path / "b")]
+    assert not [s for s, lost in steps if saved.round < s < step or (s == step and not lost)], steps

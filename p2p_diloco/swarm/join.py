@@ -591,20 +591,20 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
             except ValueError as exc:
                 raise CheckpointError(f"{ckpt}: {exc}") from None
         log.info("resumed from %s (round %d, %d batches read)", ckpt, state.round, worker.batches_taken)
-        if sync.vouched_past(state.round):  # the swarm moved on meanwhile: take its state first
-            sync.download(newer_than=state.round)
+        caught_up = _catch_up(sync, state.round, cfg, opts.stop)  # the swarm moved on meanwhile: its state first
+        if not caught_up and not opts.stop.is_set():
+            log.warning(
+                "the swarm holds a state past the checkpoint's round %d, but no peer sent it within "
+                "swarm.join_timeout=%gs: training on from the checkpoint (a round resyncs once a holder answers)",
+                state.round,
+                cfg.swarm.join_timeout,
+            )
         return
     if opts.new_swarm:
         log.info("new swarm: the outer state starts from seed %d", cfg.seed)
         return
-    deadline = time.monotonic() + cfg.swarm.join_timeout
-    while time.monotonic() < deadline and not opts.stop.is_set():
-        if sync.download():
-            return
-        if not sync.vouched_past(0):  # a lone claim of a trained state (a faulty or lying peer) is not one
-            log.info("no peer of this run holds a trained state the swarm vouches for: starting from seed %d", cfg.seed)
-            return
-        time.sleep(1.0)
+    if _catch_up(sync, 0, cfg, opts.stop):
+        return
     raise SwarmSetupError(
         f"peers of run {cfg.swarm.run_id!r} exist, but none sent an outer state that enough peers vouch for within "
         f"swarm.join_timeout={cfg.swarm.join_timeout:g}s (the lines above say why each offer was refused): retry, or "
@@ -612,6 +612,26 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
         "this peer's key: run_peer --identity-path FILE --print-public-key, then train with that --identity-path. "
         "If it asks for identity work, train with its config's swarm.identity_work (a key with the work is made)"
     )
+
+
+def _catch_up(sync: StateSync, round: int, cfg: Config, stop: threading.Event) -> bool:
+    """Download the swarm's state past ``round`` until swarm.join_timeout; True when there was none to wait for (the
+    swarm vouches for no state past ``round``: a lone claim of a trained state, a faulty or lying peer's, is not
+    one) or one came. A lone peer moving a round a second serves each state for a second only: a download that
+    failed is tried again with the state its holders announce then (seen: a resumed peer's one try failed, and it
+    trained 15 rounds behind, losing every round to a resync its holder no longer answered)."""
+    deadline = time.monotonic() + cfg.swarm.join_timeout
+    while time.monotonic() < deadline and not stop.is_set():
+        if sync.download(newer_than=round):
+            return True
+        if not sync.vouched_past(round):
+            if round == 0:
+                log.info(
+                    "no peer of this run holds a trained state the swarm vouches for: starting from seed %d", cfg.seed
+                )
+            return True
+        stop.wait(1.0)
+    return False
 
 
 def wait_for_start_peers(members: Membership, cfg: Config, tag: RoundTag, stop: threading.Event) -> None:

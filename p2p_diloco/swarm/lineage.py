@@ -3,8 +3,8 @@
 Inputs:  each peer's recent tags, oldest first, the last one the state it holds now (join.py reads them from the
          signed announcements of the live peers with our settings, ours included).
 Output:  ``lineages``: the peers grouped by lineage, with every tag their histories hold; ``canonical``: the lineage
-         to keep (its peers and tags), or None when there is none; ``connected``: the union-find both this and
-         sync.Vouches.kin group peers with.
+         to keep (its peers and tags), or None when there is none (a lineage apart from every other is never kept);
+         ``connected``: the union-find both this and sync.Vouches.kin group peers with.
 State:   none.
 Failure: none: empty input gives no lineage.
 
@@ -16,6 +16,13 @@ lineage with no state at that round (it skipped past it: two bogus keys announci
 loses the tie. Before, such a tie gave no canonical lineage: in a CI run 2 Sybil keys, each in one group of a last
 round that split 3 + 2, tied the larger half's 2 honest keys and kept the split from healing. It counts peers' keys,
 not the standing the swarm observed from them: docs/trust.md says what that allows.
+
+Halves of a split both hold the rounds since it (each peer vouches for its last 8 states), so their recent rounds
+overlap. A lineage whose recent rounds overlap no other lineage's is no half of a split but a peer far behind (a
+stale checkpoint, a joiner's seed) or a claim far ahead, and is never canonical: the far-behind catch up by download
+(join.py's ``ahead``, the group's majority). Before, one peer announcing the seed while it joined tied a lone peer at
+round 15 (its history held no round 0), won the tie, and that peer moved to the seed state (seen in a test's log); 3
+such joiners would have outnumbered 2 trained peers.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ def connected(items: Iterable[str], links: Iterable[Iterable[str]]) -> dict[str,
 def canonical(histories: dict[str, list[RoundTag]]) -> Lineage | None:
     """The lineage to keep among those of ``histories`` (see the module docstring); None when there is none."""
     found = lineages({peer: tags for peer, tags in histories.items() if tags})
+    if len(found) > 1:
+        found = [one for one in found if any(_overlap(one[1], other[1]) for other in found if other is not one)]
     if not found:
         return None
     most = max(len(members) for members, _ in found)
@@ -79,6 +88,12 @@ def canonical(histories: dict[str, list[RoundTag]]) -> Lineage | None:
     common = min(max(tag.round for tag in tags) for _, tags in tied)
     at_common = [(checksum, lineage) for lineage in tied if (checksum := _smallest_checksum(lineage[1], common))]
     return min(at_common, key=lambda item: item[0])[1]  # the lineage whose newest round is ``common`` has one
+
+
+def _overlap(tags: set[RoundTag], others: set[RoundTag]) -> bool:
+    """Whether the rounds of ``tags`` and of ``others`` overlap (each from its oldest to its newest)."""
+    rounds, other_rounds = [tag.round for tag in tags], [tag.round for tag in others]
+    return min(rounds) <= max(other_rounds) and min(other_rounds) <= max(rounds)
 
 
 def _smallest_checksum(tags: set[RoundTag], at_round: int) -> str | None:
