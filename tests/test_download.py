@@ -306,3 +306,28 @@ def test_a_state_smaller_than_one_part_downloads_within_the_default_budget(swarm
     tag = RoundTag(small.round, small.checksum())
     got = download_state(swarm["newcomer"].averager, small.tensors(), "fp", tag, [donor.peer_id], 30.0)
     assert got is not None and got[0].checksum() == tag.checksum
+
+
+def test_a_donor_that_moves_on_mid_download_still_serves_the_state_it_began(swarm):
+    """A lone donor's state changes twice while a download of its first state goes on (rounds shorter than a
+    download): every piece still comes, of the state the manifest named. The older state is served for pieces only,
+    and only the one a download asked for last: the state between, never asked for, is not."""
+    first = swarm["state"]
+    lone = Donor(swarm["donors"][0].maddrs(), first)  # its own: the shared donors' states stay as they are
+    swarm["peers"].append(lone)
+    second, third = _state(8), _state(9)
+    states = {2: second, 4: third}  # the manifest is call 1: the state changes before pieces 1 and 3
+
+    def move_on(k: int) -> None:
+        if k in states:
+            lone.state, lone.meta = states[k], _meta(states[k])
+
+    lone.on_call = move_on
+    asked = _download(swarm, [lone])  # round 7's state, bitwise
+    assert all(ok for *_, ok in asked.pieces), asked.pieces
+    assert lone.state is third
+    newcomer = swarm["newcomer"].averager
+    tag_of = lambda s: (s.round, s.checksum())  # noqa: E731
+    assert isinstance(newcomer.piece(lone.peer_id, tag_of(first), 0, PART_VALUES, 10.0), torch.Tensor)
+    assert "no piece" in newcomer.piece(lone.peer_id, tag_of(second), 0, PART_VALUES, 10.0)  # never asked for
+    assert isinstance(newcomer.piece(lone.peer_id, tag_of(third), 0, PART_VALUES, 10.0), torch.Tensor)

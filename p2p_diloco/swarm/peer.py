@@ -183,6 +183,10 @@ class TrainingPeer:
         client = self.dht.client_mode
         self.members = members = Membership(self.dht, cfg, identity, fingerprint, summary, authorized, client)
         members.check()
+        # at once, the seed's tag while we may still download: the others then know a peer is coming (a lone peer
+        # that read nobody took local steps until we came: 7 rounds in a CI run). lineage.py keeps this round-0 tag
+        # from drawing anyone back: it is in every lineage's recent tags until round 8, and apart from all after
+        members.announce(worker.tag())
         prefix = f"{s.run_id}_{fingerprint}"
         self.averager = PseudoGradAverager.from_config(
             self.dht,
@@ -219,9 +223,6 @@ class TrainingPeer:
         sync.on_change = lambda: worker.tag_soon().add_done_callback(self._vouch)
         threading.Thread(target=self._heartbeat, name="announcements", daemon=True).start()
         first_state(worker, sync, members, cfg, self.opts)
-        # announced once we hold the state we will train on: announcing the seed while joining read as a lineage of
-        # its own at round 0, which won a tie against a lone peer at round 15 (lineage.py)
-        members.announce(worker.tag())
         wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
         self.averager.set_state_provider(self.sync.serve)
         # after the DHT and averager processes are forked (a wandb run must not be inherited), before round 1

@@ -5,8 +5,9 @@ Inputs:  asking: ``manifest(peer_id, timeout)`` and ``piece(peer_id, tag, start,
          the state our provider serves (state_serving.py) as one flat fp32 vector in parts (state_parts.py).
 Output:  ``manifest``: the donor's served metadata with its part digests; ``piece``: its fp32 values [start, end);
          either, or why not (a line). ``rpc_state_manifest`` and ``rpc_download_piece`` serve ours.
-State:   ``_served_values`` (averager process): values in the state we served last, which prices a piece before
-         the host is asked. The per-peer download budget is state_serving.py's.
+State:   in the averager process: ``_served_values``, values in the state we served last, which prices a piece
+         before the host is asked; ``_serving``, the state we serve now, and ``_kept``, one state we served before
+         it, kept while downloads of it go on (see below). The per-peer download budget is state_serving.py's.
 Failure: ``manifest`` and ``piece`` never raise: a refusal, a timeout, more bytes than the piece holds, a stream
          that stalls for ``next_chunk_timeout``, values of the wrong type or count: a line saying why. A request we
          refuse (malformed, not whole parts, over budget, for another state) gets empty metadata or an empty
@@ -14,15 +15,24 @@ Failure: ``manifest`` and ``piece`` never raise: a refusal, a timeout, more byte
 
 In pieces (swarm/download.py; the state as one flat fp32 vector, state_parts.py): ``manifest`` reads a donor's
 served metadata with its part digests (the unary ``rpc_state_manifest``), ``piece`` values [start, end) of it
-(``rpc_download_piece``: only whole parts, at most MAX_PIECE_PARTS, only while the donor still serves the tag
-asked for; an empty stream otherwise). Each peer's downloads from us are charged against ``max_state_downloads``
-states a minute: a whole download 1, a manifest MANIFEST_COST, a piece its share of the state (at least one part;
-a piece of a state we no longer hold MANIFEST_COST).
+(``rpc_download_piece``: only whole parts, at most MAX_PIECE_PARTS, of the state asked for while the donor serves
+or keeps it, below; an empty stream otherwise). Each peer's downloads from us are charged against
+``max_state_downloads`` states a minute: a whole download 1, a manifest MANIFEST_COST, a piece its share of the
+state (at least one part; a piece of a state we neither serve nor keep MANIFEST_COST).
+
+A download outlives a round: when our state changes, the one we served before stays served, for pieces only (a
+manifest is always the current state's), while a download asked for it within KEEP_SECONDS; of the older states
+one is kept, the one asked for last, so serving costs at most one more copy of the state. Before, a download had
+to end within one of the donor's rounds: a joiner whose download took longer than a round (a large state on a slow
+link) could never join, and in a test a resumed peer chased a lone donor's 0.4 s rounds until its download budget
+was spent.
 """
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
+import math
+import time
+from typing import Any, AsyncIterator, NamedTuple  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -39,7 +49,22 @@ __all__ = ["MANIFEST_COST", "MAX_PIECE_PARTS", "StatePiecesMixin"]
 
 MAX_PIECE_PARTS = 16  # the longest piece a peer serves: 16 MiB (state_parts.PART_BYTES each)
 MANIFEST_COST = 1 / 16  # of a state's download budget: 16 manifests a minute per budgeted state
+KEEP_SECONDS = 60.0  # a state we served before stays served this long after a download last asked for a piece of it
 _PIECE_CHUNK_BYTES = 1 << 20  # stream message size of a piece (hivemind's default, 64 KiB, costs 16x the messages)
+
+
+class _Served(NamedTuple):
+    """A state we serve: its (round, checksum), its tensors, when a download last asked for it (monotonic)."""
+
+    tag: tuple
+    tensors: Any
+    asked: float
+
+
+def _tag_of(metadata: Any) -> tuple:
+    """(round, checksum) of our served state's metadata (state_serving.py wraps it under _STATE_KEY)."""
+    meta = metadata.get(_STATE_KEY, {}) if isinstance(metadata, dict) else {}
+    return meta.get("round"), meta.get("checksum")
 
 
 def _piece_request(raw: bytes, serializer: Any) -> tuple[int, str, int, int] | None:
@@ -72,6 +97,28 @@ class StatePiecesMixin:
     state_serving.py's ``_in_process``, ``_settle`` and ``_may_download``; its ``__init__`` sets what this reads."""
 
     _served_values = 0  # averager process: values in the state we served last (prices a piece before the host is asked)
+    _serving: _Served | None = None  # averager process: the state we serve now
+    _kept: _Served | None = None  # averager process: one state we served before it, while downloads of it go on
+
+    def _snapshot(self, now_serving: tuple, tensors: Any, wanted: tuple, now: float) -> Any:
+        """Note ``now_serving`` (round, checksum), with its ``tensors``, as the state we serve now; the tensors of
+        ``wanted`` when it is that state or the one kept, marked as asked for now; None when neither. When the state
+        changed, the older one asked for last within KEEP_SECONDS is kept (one asked for never is not)."""
+        serving = self._serving
+        if serving is None or serving.tag != now_serving:
+            older = [s for s in (serving, self._kept) if s is not None and now - s.asked < KEEP_SECONDS]
+            self._kept = max(older, key=lambda s: s.asked, default=None)
+            serving = _Served(now_serving, tensors, -math.inf)
+        elif self._kept is not None and now - self._kept.asked >= KEEP_SECONDS:
+            self._kept = None  # nobody downloads it any more: its copy is freed
+        if wanted == now_serving:
+            self._serving = _Served(now_serving, tensors, now)
+            return tensors
+        self._serving = serving
+        if self._kept is not None and self._kept.tag == wanted:
+            self._kept = _Served(wanted, self._kept.tensors, now)
+            return self._kept.tensors
+        return None
 
     def manifest(self, peer_id: str, timeout: float) -> dict | str:
         """The metadata of ``peer_id``'s served state (round, checksum, fingerprint, consensus and ``parts``: its
@@ -127,18 +174,20 @@ class StatePiecesMixin:
             return averaging_pb2.DownloadData()
         metadata, tensors, _ = await self._get_current_state_from_host_process()
         self._served_values = total_values(tensors)
+        tag = _tag_of(self.serializer.loads(metadata))
+        self._snapshot(tag, tensors, tag, time.monotonic())  # a download of it begins: kept once the state changes
         return averaging_pb2.DownloadData(metadata=metadata)
 
     async def rpc_download_piece(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """Values [start, end) of our served state, if it is the (round, checksum) asked for and the range is whole
-        parts, at most MAX_PIECE_PARTS of them; charged to the peer's download budget as its share of the state
-        (at least one part): MANIFEST_COST for asking, before the host is, and the rest once the piece is served.
-        A request for a state we no longer hold costs the asking only: a downloader racing a peer whose rounds are
-        shorter than a download (seen: a monitor sampling a lone tiny peer, each failed piece asked 3 times) once
-        spent a minute's budget in a few tries at a full share each. Anything else, or over budget: an empty
-        stream."""
+        """Values [start, end) of the state asked for (round, checksum), if we serve it now or keep it
+        (``_snapshot``) and the range is whole parts, at most MAX_PIECE_PARTS of them; charged to the peer's download
+        budget as its share of the state (at least one part): MANIFEST_COST for asking, before the host is, and the
+        rest once the piece is served. A request for a state we neither serve nor keep costs the asking only: a
+        downloader racing a peer whose rounds are shorter than a download (seen: a monitor sampling a lone tiny peer,
+        each failed piece asked 3 times) once spent a minute's budget in a few tries at a full share each. Anything
+        else, or over budget: an empty stream."""
         want = _piece_request(request.metadata, self.serializer)
         peer, values = str(context.remote_id), self._served_values
         if want is None or (values and not _whole_parts(want[2], want[3], values)):
@@ -146,10 +195,11 @@ class StatePiecesMixin:
         if not self._may_download(peer, MANIFEST_COST):  # asking, as a manifest does
             return
         metadata, tensors, _ = await self._get_current_state_from_host_process()
-        meta = self.serializer.loads(metadata).get(_STATE_KEY, {})
-        total = self._served_values = total_values(tensors)
+        self._served_values = total_values(tensors)
         rnd, checksum, start, end = want
-        if (meta.get("round"), meta.get("checksum")) != (rnd, checksum) or not _whole_parts(start, end, total):
+        tensors = self._snapshot(_tag_of(self.serializer.loads(metadata)), tensors, (rnd, checksum), time.monotonic())
+        total = 0 if tensors is None else total_values(tensors)
+        if tensors is None or not _whole_parts(start, end, total):
             return
         if not self._may_download(peer, max(0.0, _piece_cost(want, total) - MANIFEST_COST)):
             return
