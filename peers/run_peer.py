@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    for noisy in ("hivemind", "p2p_diloco.swarm.records"):
+    # hivemind at WARNING unless HIVEMIND_LOGLEVEL asks otherwise (DEBUG shows its matchmaking, to debug a group)
+    quiet = ["p2p_diloco.swarm.records"] + ([] if os.environ.get("HIVEMIND_LOGLEVEL") else ["hivemind"])
+    for noisy in quiet:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     request = StopRequest(
         on_stop=lambda name: logging.getLogger("run_peer").info(
