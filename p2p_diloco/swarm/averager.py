@@ -272,19 +272,15 @@ class PseudoGradAverager(
         if await_ready:
             self.wait_until_ready(timeout)
 
-    async def _shutdown(self, timeout: float | None) -> None:
-        """hivemind's (in the averager process), except that a p2pd already gone is no error: a Ctrl-C reaches the
-        whole process group, p2pd too, and its handlers went with it (removing them printed a FileNotFoundError
-        traceback from the averager's thread at every Ctrl-C, and the running groups were left unfinalized)."""
-        if not self.client_mode:
-            try:
-                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
-            except OSError as exc:  # the daemon's control socket is closed or gone
-                log.debug("p2pd gone before the averager's handlers were removed: %r", exc)
-        remaining = set()
-        for group in self._running_groups.values():
-            remaining.update(group.finalize(cancel=True))
-        await asyncio.wait_for(asyncio.gather(*remaining), timeout)
+    async def remove_p2p_handlers(self, p2p: Any, *, namespace: str | None = None) -> None:
+        """hivemind's (its averager process's shutdown calls it), except that a p2pd already gone is no error: a
+        Ctrl-C reaches the whole process group, p2pd too, and its handlers went with it (removing them printed a
+        FileNotFoundError traceback from the averager's thread at every Ctrl-C, and the shutdown left the running
+        groups unfinalized)."""
+        try:
+            await super().remove_p2p_handlers(p2p, namespace=namespace)
+        except OSError as exc:  # the daemon's control socket is closed or gone
+            log.debug("p2pd gone before the averager's handlers were removed: %r", exc)
 
     def shutdown(self) -> None:
         """Stop the averager process; it is gone (joined, killed if it had to be) when this returns, and a serve of

@@ -198,8 +198,7 @@ class StatePiecesMixin:
         self._served_values = total_values(tensors)
         rnd, checksum, start, end = want
         tensors = self._snapshot(_tag_of(self.serializer.loads(metadata)), tensors, (rnd, checksum), time.monotonic())
-        total = 0 if tensors is None else total_values(tensors)
-        if tensors is None or not _whole_parts(start, end, total):
+        if tensors is None or not _whole_parts(start, end, total := total_values(tensors)):
             return
         if not self._may_download(peer, max(0.0, _piece_cost(want, total) - MANIFEST_COST)):
             return
