@@ -14,6 +14,9 @@ tokens on the wire as the weight), optional ``forge`` (sign the payload with a k
 optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off), optional ``cut_replies_after``
 (keep only that many averaged parts from the first other reducer, then fail its stream: prints ``CUT {json}``),
 optional ``hostile_asks`` (before repairing a slice, ask each mate for it in ways it must refuse: ``ASKS {json}``),
+optional ``drop_first_group`` (as a follower, give up on the first group a leader assembles with this peer, once its
+BEGIN_ALLREDUCE is in: a group formed on the leader's side only; prints ``DROPPED {json}``), optional
+``expected_members`` (what the host's ``expected_members`` answers: the peers this round's matchmaking expects),
 optional ``client_mode``
 (true: a client-mode DHT node and averager, as a peer behind NAT runs), optional ``identity_path``
 (this peer's key file) and ``authorized_peers`` (with ``averager.authorized`` set: the peer ids of a closed run),
@@ -189,6 +192,24 @@ def _install_hostile_asks() -> None:
     PseudoGradAverager._repair_slices = repair
 
 
+def _install_drop_first_group() -> None:
+    """The first group a leader assembles with this member as a follower fails its matchmaking as its
+    BEGIN_ALLREDUCE arrives (as when this member's search timed out a moment before): the leader runs the group with
+    this member in it, and this member's step found no group."""
+    from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
+
+    honest, dropped = Matchmaking.follower_assemble_group, []
+
+    async def drop(self, leader, msg):  # type: ignore[no-untyped-def]
+        if dropped:
+            return await honest(self, leader, msg)
+        dropped.append(str(leader))
+        emit("DROPPED", {"leader": str(leader)})
+        raise MatchmakingException("injected: gave up on the group its leader just assembled")
+
+    Matchmaking.follower_assemble_group = drop
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -204,6 +225,8 @@ def main() -> None:
         _install_cut_replies(int(cfg["cut_replies_after"]))
     if cfg.get("hostile_asks"):
         _install_hostile_asks()
+    if cfg.get("drop_first_group"):
+        _install_drop_first_group()
     if cfg.get("kill_after_parts"):
         install_kill_after_sends(int(cfg["kill_after_parts"]), lambda sent: emit("DYING", {"t": time.time()}))
     shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]
@@ -248,6 +271,8 @@ def main() -> None:
         return current[0] - now
 
     averager.group_wait = group_wait
+    if cfg.get("expected_members") is not None:
+        averager.expected_members = lambda: int(cfg["expected_members"])
     averager.looking = lambda: looking.__setitem__(0, looking[0] + 1)
     if cfg.get("ahead") is not None:
         after, ahead_round, ahead_checksum = cfg["ahead"]

@@ -412,6 +412,29 @@ def _pair_with_one_waiting(spawn, group_wait: list) -> list[dict]:
 
 
 @pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_a_group_formed_on_the_leaders_side_only_is_met_again_in_the_next_attempt(spawn):
+    """The follower gives up on the group its leader just assembled with it (its step found no group: as when its
+    search timed out a moment before the leader's BEGIN_ALLREDUCE came). The leader's parts for that group are
+    refused at once (BAD_GROUP_ID), not waited for until next_chunk_timeout; the follower, whose host still expects
+    its mate, tries again; both then average together in their next attempt. Before, the follower took its own Δ
+    (seen: both peers of the utilisation smoke lost the round)."""
+    peers = start_swarm(spawn, 2, drop_first_group=True, expected_members=2)  # each drops its first as a follower
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 100)["info"] for peer in peers]
+    dropped = [k for k, peer in enumerate(peers) if any(line.startswith("DROPPED ") for line in peer.proc.stdout_lines)]
+    assert dropped, results
+    for k, info in enumerate(results):
+        assert info["complete"] and info["group_size"] == 2 and info["attempts"] == 1 + len(dropped), info
+        assert_close(peers[k].result(), weighted_mean([0, 1], [1.0, 1.0]))
+    for k in dropped:
+        follower, leader = results[k]["reason"], results[1 - k]["reason"]
+        assert "no group formed (MatchmakingException: injected" in follower, follower
+        assert "BAD_GROUP_ID" in leader, leader  # refused at once, not waited for
+
+
+@pytest.mark.swarm
 @pytest.mark.timeout(90)
 def test_a_peer_nobody_is_ready_for_waits_for_the_next_one_then_averages(spawn):
     """group_wait says the next peer is ready in 2 s: the peer waits that long first (counted as matchmaking, and

@@ -48,14 +48,14 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
 
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import hagenbach_bishoff
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import achain, anext, as_aiter, azip, enter_asynchronously
 
 from p2p_diloco.protocol import Gathered, GatherPayload, split_groups
 from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner
@@ -69,6 +69,8 @@ from p2p_diloco.swarm.wire import PayloadBytes
 log = logging.getLogger("p2p_diloco.averager")
 
 __all__ = ["AggregateMixin"]
+
+REGISTER_POLL = 0.05  # seconds between looks for a group a part names that this member has not registered yet
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,27 @@ class AggregateMixin:
             # the host's copy of the bans (it is another process): seconds each has left
             banned={p: until - time.monotonic() for p, until in self._banned.items()},
         )
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's (averager.py:581), but a part for a group this member does not run is refused within
+        ``request_timeout`` (BAD_GROUP_ID). Stock waits for the next group this member registers (the leader may begin
+        before its BEGIN_ALLREDUCE reached us): a member whose matchmaking gave up on the group its leader then
+        assembled with it (a group formed on one side only) registers none until its next attempt, so every
+        sender's reducer waited ``next_chunk_timeout`` for it and the attempt failed for all, late (seen: both peers
+        of a 2-peer run lost the round). Refused, the senders end the attempt at once (butterfly.py) and retry."""
+        request = await anext(stream)
+        deadline = time.monotonic() + self.request_timeout_s
+        while request.group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(REGISTER_POLL)
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await future
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     def _plan(
         self, group_info: GroupInfo, modes: list[AveragingMode], gathered: Gathered, factors: dict[str, float]

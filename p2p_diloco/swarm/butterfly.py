@@ -15,6 +15,9 @@ What differs from the stock runner:
 - a sender that stalls the reducer's current part longer than ``next_chunk_timeout`` is banned (stock missed a
   sender whose stream broke while the reducer was answering it: the round hung until ``allreduce_timeout``);
 - our own slice marks the reducer failed if its local averaging raises (stock: that slice would hang);
+- a member that answers our parts with BAD_GROUP_ID (it runs no such group: its matchmaking gave up on the group
+  its leader then assembled with it, aggregate.py's ``rpc_aggregate_part``) is banned as a sender at once: it will
+  send our reducer nothing (stock waited ``sender_timeout`` for it);
 - the reducer keeps every sender's part and reduces them together (``robust.aggregate``: a mean whose senders
   are clipped, configured by ``swarm.aggregation``), each with the weight its gather payload declared, if the
   wire weight matches it and one round can hold it, else 0 (stock: the wire weight, whatever it is); a sender
@@ -58,6 +61,15 @@ from p2p_diloco.swarm.repair import slice_ranges
 from p2p_diloco.swarm.wire import CountingStub, PayloadBytes, WireCodec, counted_messages
 
 __all__ = ["Aggregation", "ExactRunner", "RobustPartReducer"]
+
+
+class _Refused(AllreduceException):
+    """A reducer answered our parts with something other than averaged parts (``code``, hivemind's MessageCode)."""
+
+    def __init__(self, peer_id: Any, code: int) -> None:
+        super().__init__(f"{peer_id} sent {averaging_pb2.MessageCode.Name(code)}")
+        self.code = code
+
 
 log = logging.getLogger("p2p_diloco.butterfly")
 
@@ -315,7 +327,7 @@ class ExactRunner(AllReduceRunner):
 
             def decoded(message: Any) -> torch.Tensor:
                 if message.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                    raise _Refused(peer_id, message.code)
                 return self.wire.means.extract(message.tensor_part)
 
             async for averaged in amap_in_executor(
@@ -334,6 +346,8 @@ class ExactRunner(AllReduceRunner):
             self.failed_reducers[str(peer_id)] = f"{exc!r:.200} after {got} of {total} parts"
             self.failed_values[str(peer_id)] = sum(math.prod(shape) for shape in shapes[got:total])
             container.register_failed_reducer(index)
+            if isinstance(exc, _Refused) and exc.code == averaging_pb2.BAD_GROUP_ID and peer_id in self.sender_peer_ids:
+                await self._ban_sender(peer_id)  # it runs no such group: it sends our reducer nothing either
             raise
 
     async def _handle_missing_senders(self) -> None:

@@ -135,6 +135,11 @@ class MatchmakingMixin:
         they read our last announcement, as before."""
         ask_host(self.looking, "announcing that this peer is looking for a group", None)
 
+    def _mates_expected(self) -> bool:
+        """Whether a mate is expected at this round's matchmaking (``expected_members`` counts another peer than us):
+        an attempt that found no group is then tried again, time permitting (reduce.py). False when not known."""
+        return int(ask_host(self.expected_members, "the expected members", 1)) > 1
+
     def _alone(self) -> bool:
         """Whether we are sure no other peer of the run averages now (``alone``); False when not known."""
         return bool(ask_host(self.alone, "whether this peer is alone", False))

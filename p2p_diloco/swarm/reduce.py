@@ -18,11 +18,13 @@ Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, befor
          never raise: hivemind's errors (but KeyboardInterrupt and SystemExit) and a dead averager process end an
          attempt, with the reason. An attempt whose all-reduce failed or was incomplete is retried at once; one where
          no group formed (or whose mean was not finite, or with no averager process) only after a wait for a mate
-         that will be ready (``_wait_for_group``); any retry only while ``max_reduce_attempts`` and
-         ``round_deadline`` leave room for a whole attempt and the swarm has not left this peer behind
-         (``_left_behind``). A client-mode peer that no live peer of the run can lead (``reachable_members`` says 0)
-         returns the local result at once, with ``NO_REACHABLE_MEMBER`` as the reason; a peer sure to be the only
-         one of the run that averages (``alone``), with ``ALONE``.
+         that will be ready (``_wait_for_group``), or while a mate is still expected this round (``_mates_expected``:
+         a mate that came late, or a leader that assembled a group we had given up on, is then met in the next
+         attempt; before, the peer took a local step and lost the round); any retry only while
+         ``max_reduce_attempts`` and ``round_deadline`` leave room for a whole attempt and the swarm has not left
+         this peer behind (``_left_behind``). A client-mode peer that no live peer of the run can lead
+         (``reachable_members`` says 0) returns the local result at once, with ``NO_REACHABLE_MEMBER`` as the
+         reason; a peer sure to be the only one of the run that averages (``alone``), with ``ALONE``.
 
 Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
 process (the group is assembled; a group smaller than the expected size forms only at the leader's
@@ -128,7 +130,11 @@ class ReduceMixin:
             # nobody came, but peers will be ready later (they began their round while we looked): wait, retry
             if self._left_behind(mine, info):
                 break
-            if not retry and not self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes, mine):
+            if (
+                not retry
+                and not self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes, mine)
+                and not self._mates_expected()
+            ):
                 break
         if info.ahead is not None:
             notes.append(f"the swarm holds {info.ahead}, past this peer's {mine}: no group looked for")
