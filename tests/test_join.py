@@ -173,6 +173,28 @@ def test_a_peer_is_alone_only_when_the_read_answered_and_no_mate_averages():
 
 
 @pytest.mark.timeout(60)
+def test_reachable_members_is_unknown_when_the_read_may_have_missed_one():
+    """``reachable_members`` (0 makes a client-mode peer's round local at once, with nobody to lead it): the live
+    mates with our settings that accept calls; None (not known) when the DHT did not answer, or when a mate an
+    earlier read showed averaging is missing from this one (a read can come back partial)."""
+    cfg = load_config(TINY, [])
+    with _three_members(cfg) as ((reader, node, client), _):
+        tag = RoundTag(1, "f" * 16)
+        assert reader.announce(tag)
+        assert reader.reachable_members() == 0  # nobody else
+        client.client = True
+        assert client.announce(tag)
+        assert reader.reachable_members() == 0  # a client leads no group
+        assert node.announce(tag)
+        assert reader.reachable_members() == 1
+        reader._averaging_seen["QmAMateThisReadLacks"] = time.monotonic()
+        assert reader.reachable_members() is None  # seen averaging lately, missing from this read: not sure
+        reader._averaging_seen.pop("QmAMateThisReadLacks")
+        reader._signed = lambda *args: None  # the DHT did not answer in time
+        assert reader.reachable_members() is None
+
+
+@pytest.mark.timeout(60)
 def test_a_done_peer_is_served_out_only_when_every_live_mate_is_done_on_its_state():
     """``served_out`` (a done peer then stops lingering): only when the read answered and every live mate with our
     settings is done and holds our final state; a mate still training, or done on another state, keeps us, and so

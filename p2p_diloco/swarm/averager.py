@@ -210,7 +210,7 @@ class PseudoGradAverager(
         self.expected_members: Callable[[], int] | None = None
         # host side, client mode only: how many live peers of the run accept calls (can lead and reduce); at 0 a
         # round is local at once, with the reason, instead of a matchmaking that cannot succeed
-        self.reachable_members: Callable[[], int] | None = None
+        self.reachable_members: Callable[[], int | None] | None = None
         # host side: seconds until the next peer of the run will be ready to average when none is now (e.g.
         # Membership.group_wait); reduce waits that long before matchmaking, and again after a matchmaking that found
         # nobody, within round_deadline, instead of averaging alone

@@ -540,10 +540,17 @@ class Membership(Announcements):
             for tags in [_tags_of(v)] if tags
         )  # fmt: skip
 
-    def reachable_members(self) -> int:
+    def reachable_members(self) -> int | None:
         """How many live peers with our settings accept calls (not client mode): the ones that can lead a group and
-        reduce for a client-mode peer."""
-        return sum(1 for v in self.mates(self.read_reuse) if _averages(v) and not v.get("client"))
+        reduce for a client-mode peer. None when not known: the DHT did not answer the read, or a mate an earlier read
+        showed averaging is missing from it. Before, either read as 0, and a client-mode peer took a local step with
+        "no live peer of the run is reachable" (the likely cause of a NAT'd peer's local round 1 in a CI run, its
+        two mates live: not reproduced in 16 runs here)."""
+        everyone = self._everyone(self.read_reuse)
+        if everyone is None or self._missing_lately_seen(everyone):
+            return None
+        mates = [v for peer, v in everyone.items() if peer != self.peer_id and v.get("fingerprint") == self.fingerprint]
+        return sum(1 for v in mates if _averages(v) and not v.get("client"))
 
     def check(self) -> None:
         """Refuse to join a run in which every other peer has other settings; warn about the odd ones out."""
