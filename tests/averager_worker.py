@@ -25,7 +25,8 @@ optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wai
 left, or ``[s, real]``: said to be ``s`` seconds but over after ``real``, as an estimate of a mate's round end that
 comes early; then 0), optional ``ahead`` (``[after, round, checksum]``: the host's ``swarm_ahead`` says the swarm holds
 that state from ``after`` seconds after it is first asked; before, and without it, nothing), ``out_dir``. The
-RESULT's ``looking`` counts the calls of the host's ``looking``; its ``in_place`` says whether the
+RESULT's ``looking`` counts the calls of the host's ``looking``, its ``silent`` lists the members the host's ``silent``
+was told of (so far); its ``in_place`` says whether the
 result is the averager's shared buffers themselves.
 
 stdout protocol, one line each: ``READY {json}`` once the DHT and averager run, then per stdin command:
@@ -274,6 +275,8 @@ def main() -> None:
     if cfg.get("expected_members") is not None:
         averager.expected_members = lambda: int(cfg["expected_members"])
     averager.looking = lambda: looking.__setitem__(0, looking[0] + 1)
+    silent: list[str] = []  # the members the host was told did not answer a failed attempt's vote (Membership.suspect)
+    averager.silent = silent.extend
     if cfg.get("ahead") is not None:
         after, ahead_round, ahead_checksum = cfg["ahead"]
         first_asked: list[float] = []
@@ -321,6 +324,7 @@ def main() -> None:
                     "seconds": seconds,
                     "peer_id": str(dht.peer_id),
                     "looking": looking[0],
+                    "silent": silent,
                     "in_place": in_place,
                 },
             )

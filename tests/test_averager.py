@@ -413,25 +413,33 @@ def _pair_with_one_waiting(spawn, group_wait: list) -> list[dict]:
 
 @pytest.mark.swarm
 @pytest.mark.timeout(120)
-def test_a_group_formed_on_the_leaders_side_only_is_met_again_in_the_next_attempt(spawn):
+@pytest.mark.parametrize("client", [False, True], ids=["node", "client"])
+def test_a_group_formed_on_the_leaders_side_only_is_met_again_in_the_next_attempt(spawn, client):
     """The follower gives up on the group its leader just assembled with it (its step found no group: as when its
     search timed out a moment before the leader's BEGIN_ALLREDUCE came). The leader's parts for that group are
     refused at once (BAD_GROUP_ID), not waited for until next_chunk_timeout; the follower, whose host still expects
     its mate, tries again; both then average together in their next attempt. Before, the follower took its own Δ
-    (seen: both peers of the utilisation smoke lost the round)."""
-    peers = start_swarm(spawn, 2, drop_first_group=True, expected_members=2)  # each drops its first as a follower
+    (seen: both peers of the utilisation smoke lost the round). A client-mode follower (it reduces nothing, so
+    nothing is refused) sends the leader no parts: the leader's reducer drops it as a sender, and its own "no" ends
+    the vote at once, without calling the client silent (before: it waited for the client's vote until
+    allreduce_timeout, and told its host the client was silent: a suspect, no longer expected)."""
+    per_peer = {1: {"client_mode": True}} if client else {}
+    peers = start_swarm(spawn, 2, per_peer, drop_first_group=True, expected_members=2)  # each drops its first
     for peer in peers:
         peer.send("REDUCE 1.0")
-    results = [peer.expect("RESULT", 100)["info"] for peer in peers]
+    results = [peer.expect("RESULT", 100) for peer in peers]
+    infos = [result["info"] for result in results]
     dropped = [k for k, peer in enumerate(peers) if any(line.startswith("DROPPED ") for line in peer.proc.stdout_lines)]
-    assert dropped, results
-    for k, info in enumerate(results):
+    assert dropped == ([1] if client else dropped) and dropped, infos  # a client is always the follower
+    for k, info in enumerate(infos):
         assert info["complete"] and info["group_size"] == 2 and info["attempts"] == 1 + len(dropped), info
         assert_close(peers[k].result(), weighted_mean([0, 1], [1.0, 1.0]))
     for k in dropped:
-        follower, leader = results[k]["reason"], results[1 - k]["reason"]
+        follower, leader = infos[k]["reason"], infos[1 - k]["reason"]
         assert "no group formed (MatchmakingException: injected" in follower, follower
-        assert "BAD_GROUP_ID" in leader, leader  # refused at once, not waited for
+        assert client or "BAD_GROUP_ID" in leader, leader  # refused at once, not waited for
+    assert all(result["silent"] == [] for result in results), results  # nobody was taken for dead
+    print("seconds (matchmaking, all-reduce):", [(i["matchmaking_seconds"], i["allreduce_seconds"]) for i in infos])
 
 
 @pytest.mark.swarm

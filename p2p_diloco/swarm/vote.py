@@ -98,7 +98,8 @@ class VoteMixin:
         other, so the verdicts travel through the members that accept calls ("nodes"; a group always holds one,
         its leader): every member pushes its verdict to every node (``rpc_vote``), and a node answers with its
         GROUP VIEW: True only if its own verdict is and every client member pushed True with the node's digest
-        (it waits for them until ``deadline``; the view is fixed once, so every caller gets the same answer). A
+        (it waits for them until ``deadline``, unless its own verdict is False: then the view is False at once; the
+        view is fixed once, so every caller gets the same answer). A
         node confirms the attempt when every other node's view and every client's push agree with it; a client
         when every node's view does (which covers the other clients).
         """
@@ -116,13 +117,16 @@ class VoteMixin:
         asks = asyncio.gather(*map(ask, callable_peers), return_exceptions=True)
         against: list[str] = []
         if self.mode != AveragingMode.CLIENT:  # a node: hear every client, then fix the view it answers with
-            while not all(c in state["heard"] for c in clients) and time.monotonic() < deadline:
+            # (our own "no" makes the view "no" whatever the clients say: then it is fixed at once. A client that
+            # never sent its parts, gone from the group, had every node wait for its vote until the deadline)
+            while verdict and not all(c in state["heard"] for c in clients) and time.monotonic() < deadline:
                 state["changed"].clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(state["changed"].wait(), timeout=deadline - time.monotonic())
             heard = dict(state["heard"])
             against += [f"{p[-6:]}(no)" for p in clients if p in heard and heard[p] != (True, digest)]
-            against += [f"{p[-6:]}(silent)" for p in clients if p not in heard]
+            unheard = [p for p in clients if p not in heard] if verdict else []  # silent: only when waited for
+            against += [f"{p[-6:]}(silent)" for p in unheard]
             if not state["view"].done():
                 state["view"].set_result((verdict and not against, digest))
         answers = await asks
@@ -133,7 +137,7 @@ class VoteMixin:
         ] + against
         silent = [str(p) for p, a in zip(callable_peers, answers, strict=True) if isinstance(a, BaseException)]
         if self.mode != AveragingMode.CLIENT:
-            silent += [p for p in clients if p not in heard]
+            silent += unheard
         return against, silent
 
     async def rpc_vote(self, request: averaging_pb2.AveragingData, context: P2PContext) -> averaging_pb2.AveragingData:
