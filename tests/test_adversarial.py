@@ -78,6 +78,13 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
         "final_round": {k: state.round for k, state in states.items()},
         "final_checksum": {k: state.checksum() for k, state in states.items()},
         "decisions": {d.name: [r.get("decision") for r in records(d)] for d in dirs[:3]},
+        "rounds": {  # what each honest peer's rounds came to, and why (printed when the peers end apart)
+            d.name: [
+                (r["outer_step"], r["group_size"], r["decision"], (r.get("reduce_reason") or "")[:160])
+                for r in records(d)
+            ]
+            for d in dirs[:3]
+        },
         "first_records": {d.name: records(d)[:1] for d in dirs[:3]},
         "joined": joined,
         "reasons": [r["reduce_reason"] for d in dirs[:3] for r in records(d) if r.get("reduce_reason")],
@@ -163,11 +170,20 @@ def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_ho
     check_against_all_honest(attacked, all_honest, ("donor", "6"))
 
 
+def _apart(attacked: dict) -> str:
+    """Why the honest peers may have ended on different states: their final checksums, each one's rounds, and what
+    their logs said about splits, downloads and the run's end (a CI run ended 1 + 2 apart: its output was not kept)."""
+    said = re.compile(r"split|canonical|resync|download|discarded|the run's end|joined at|local step|lineage")
+    lines = [line for line in attacked["honest_output"].splitlines() if line.startswith("args:") or said.search(line)]
+    rounds = "\n".join(f"{peer}: {rows}" for peer, rows in attacked["rounds"].items())
+    return f"{attacked['final_checksum']}\n{rounds}\n" + "\n".join(lines[-120:])
+
+
 def check_against_all_honest(attacked: dict, all_honest: dict, attack: tuple[str, str]) -> None:
     print(json.dumps({"attack": attack, "all_honest": all_honest["eval_loss"], "attacked": attacked["eval_loss"]}))
     assert not all_honest["dropped"], all_honest["dropped"]  # the direction floor dropped no honest peer's part
     assert set(attacked["final_round"].values()) == {ROUNDS}, attacked
-    assert len(set(attacked["final_checksum"].values())) == 1, attacked["final_checksum"]  # the honest peers agree
+    assert len(set(attacked["final_checksum"].values())) == 1, _apart(attacked)  # the honest peers agree
     reference = next(iter(all_honest["eval_loss"].values()))
     assert attacked["eval_loss"], attacked  # the state they agree on was evaluated by one of them at least
     for peer, loss in attacked["eval_loss"].items():
