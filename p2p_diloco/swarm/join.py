@@ -545,7 +545,7 @@ class Membership(Announcements):
         reduce for a client-mode peer. None when not known: the DHT did not answer the read, or a mate an earlier read
         showed averaging is missing from it. Before, either read as 0, and a client-mode peer took a local step with
         "no live peer of the run is reachable" (the likely cause of a NAT'd peer's local round 1 in a CI run, its
-        two mates live: not reproduced in 16 runs here)."""
+        two mates live: not reproduced in 15 runs here)."""
         everyone = self._everyone(self.read_reuse)
         if everyone is None or self._missing_lately_seen(everyone):
             return None
