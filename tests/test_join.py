@@ -195,6 +195,25 @@ def test_reachable_members_is_unknown_when_the_read_may_have_missed_one():
 
 
 @pytest.mark.timeout(60)
+def test_a_run_is_over_when_a_peer_finished_on_a_trained_state_and_none_still_averages():
+    """``run_over`` (a newcomer that took no state then stops with a message, first_state): the furthest state the
+    run's peers finished on, once one announced itself done on a trained state and none with our settings still
+    averages; None while one does, before anyone trained, or for peers of other settings."""
+    cfg = load_config(TINY, [])
+    with _three_members(cfg) as ((newcomer, one, other), _):
+        assert newcomer.run_over() is None  # nobody yet
+        assert one.announce(RoundTag(0, "s" * 16)) and one.finish()
+        assert newcomer.run_over() is None  # done on the seed: it never trained, no run to speak of
+        assert one.announce(RoundTag(3, "a" * 16)) and other.announce(RoundTag(2, "b" * 16))
+        assert newcomer.run_over() is None  # the other one still averages
+        assert other.announce(RoundTag(3, "b" * 16)) and other.finish()
+        assert newcomer.run_over() == RoundTag(3, "a" * 16)  # the furthest, then the smallest checksum: all alike
+        other.fingerprint = "other settings"
+        assert other.announce(RoundTag(9, "c" * 16))
+        assert newcomer.run_over() == RoundTag(3, "a" * 16)  # a peer of other settings is no peer of this run
+
+
+@pytest.mark.timeout(60)
 def test_a_done_peer_is_served_out_only_when_every_live_mate_is_done_on_its_state():
     """``served_out`` (a done peer then stops lingering): only when the read answered and every live mate with our
     settings is done and holds our final state; a mate still training, or done on another state, keeps us, and so
