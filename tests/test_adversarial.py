@@ -143,11 +143,17 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
         # honest peer in 3 probes left out (a local step, then eval 2.5% over the all-honest swarm). A peer left out
         # of the first attempt waits while the others' attempt fails (a CI check: one peer counted 3 of the 4 at
         # round 1 and led a group of 3, which lost the liar's parts after next_chunk_timeout; the fourth waited
-        # 10.6 s), then one matchmaking period at most
+        # 10.6 s), then one matchmaking period at most. One honest peer slow to end round 1 may find it averaged
+        # without it and resync (a fresh-clone check here: its inner steps took 4.0 s against 2.8 s, its mates' retry
+        # without the liar did not expect it and formed at 2 a second before it was ready): the others' round is
+        # what shows the retry
         swarm = load_config(TINY, SWARM).swarm
         bound = swarm.next_chunk_timeout + swarm.matchmaking_time
         first = {k: v[0] if v else {} for k, v in attacked["first_records"].items()}
-        assert all(r.get("decision") == "apply" and r["matchmaking_seconds"] < bound for r in first.values()), first
+        late = [k for k, r in first.items() if "no group looked for" in (r.get("reduce_reason") or "")]
+        assert len(late) <= 1 and all(first[k].get("decision") == "resync" for k in late), first
+        rest = [r for k, r in first.items() if k not in late]
+        assert all(r.get("decision") == "apply" and r["matchmaking_seconds"] < bound for r in rest), first
 
 
 @pytest.mark.timeout(600)
