@@ -16,7 +16,9 @@ State:   ``_banned`` (a reducer caught lying, or a sender our reducer dropped by
 Failure: nothing raises out of the attempt: a payload that does not decode or is not signed by its member is
          dropped and counted (``Gathered``); a group holding an unlisted or banned peer is left before any part is
          sent (PermissionError, as the reason); any other error is the reason. The verdict is then False, and the
-         vote still runs. ``rpc_combine_part`` answers what it cannot serve with an empty reply.
+         vote still runs. ``rpc_combine_part`` answers what it cannot serve with an empty reply;
+         ``rpc_aggregate_part`` refuses (BAD_GROUP_ID) parts of a group this member does not run within
+         ``request_timeout``.
 
 Signatures: every member's payload must carry a valid signature by the key its peer id stands for (``_opened``),
 else it is dropped and counted: a leader relays the group's payloads, so it can drop one, never forge one, nor pass

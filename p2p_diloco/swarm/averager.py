@@ -24,8 +24,9 @@ State:   hivemind's averager child process with the shared-memory buffers (overw
          (``rpc_join_group``), never asked to lead us (the ``_matchmaking`` setter), a group holding one is left
          before any part is sent, and they get no state.
 Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, before any network work. Network
-         failures never raise: no group -> local result at once; incomplete or failed all-reduce -> retry on
-         freshly copied buffers while ``max_reduce_attempts`` and ``round_deadline`` allow, else local.
+         failures never raise: no group -> retried while a mate is still expected, else the local result;
+         incomplete or failed all-reduce -> retry on freshly copied buffers while ``max_reduce_attempts`` and
+         ``round_deadline`` allow, else local.
          ``download`` never raises either: a refusal, a timeout, more tensors or bytes than asked for, a stream
          that stalls for ``next_chunk_timeout``: a line saying why. A reducer whose averaged part is too long to
          be an average of parts its rule accepts (butterfly.py) fails the attempt for this member and is banned.
