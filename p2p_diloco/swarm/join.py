@@ -133,12 +133,11 @@ class Announcements:
             for peer, (announcement, expires) in signed.items()
         }
         now = time.monotonic()
-        for peer, v in out.items():
-            if peer != self.peer_id and v.get("fingerprint") == self.fingerprint:
-                if _averages(v):
-                    self._averaging_seen[peer] = now
-                else:
-                    self._averaging_seen.pop(peer, None)
+        for peer, v in self._mates_in(out).items():
+            if _averages(v):
+                self._averaging_seen[peer] = now
+            else:
+                self._averaging_seen.pop(peer, None)
         self._last_read = (now, out)
         return out
 
@@ -171,7 +170,11 @@ class Announcements:
     def mates(self, max_age: float = 0.0) -> list[dict]:
         """Announcements of the other peers that share our fingerprint (they can average with us); ``max_age``: as
         ``others``."""
-        return [v for v in self.others(max_age).values() if v.get("fingerprint") == self.fingerprint]
+        return list(self._mates_in(self._everyone(max_age) or {}).values())
+
+    def _mates_in(self, read: dict[str, dict]) -> dict[str, dict]:
+        """The announcements in ``read`` (an ``_everyone`` answer) of the other peers with our settings."""
+        return {p: v for p, v in read.items() if p != self.peer_id and v.get("fingerprint") == self.fingerprint}
 
     def vouches(self, others: dict[str, dict] | None = None) -> Vouches:
         """Which states the other peers with our settings vouch for, and who holds each (sync.StateSync.fetch), with
@@ -523,7 +526,7 @@ class Membership(Announcements):
         everyone = self._everyone()
         if everyone is None or self.peer_id not in everyone:
             return False
-        mates = {p: v for p, v in everyone.items() if p != self.peer_id and v.get("fingerprint") == self.fingerprint}
+        mates = self._mates_in(everyone)
         if self._missing_lately_seen(mates):
             return False
         return all(v.get("done") and _tags_of(v)[-1:] == [final] for v in mates.values() if v.get("live"))
@@ -536,7 +539,7 @@ class Membership(Announcements):
         everyone = self._everyone()
         if everyone is None:
             return None
-        mates = [v for p, v in everyone.items() if p != self.peer_id and v.get("fingerprint") == self.fingerprint]
+        mates = self._mates_in(everyone).values()
         if any(_averages(v) for v in mates):
             return None
         finals = [tags[-1] for v in mates if v.get("done") for tags in [_tags_of(v)] if tags and tags[-1].round > 0]
@@ -564,8 +567,7 @@ class Membership(Announcements):
         everyone = self._everyone(self.read_reuse)
         if everyone is None or self._missing_lately_seen(everyone):
             return None
-        mates = [v for peer, v in everyone.items() if peer != self.peer_id and v.get("fingerprint") == self.fingerprint]
-        return sum(1 for v in mates if _averages(v) and not v.get("client"))
+        return sum(1 for v in self._mates_in(everyone).values() if _averages(v) and not v.get("client"))
 
     def check(self) -> None:
         """Refuse to join a run in which every other peer has other settings; warn about the odd ones out."""
@@ -626,7 +628,9 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
         log.info("new swarm: the outer state starts from seed %d", cfg.seed)
         return
     if _catch_up(sync, 0, cfg, opts.stop):
-        over = None if sync.adopted or opts.stop.is_set() else members.run_over()
+        if sync.adopted:
+            return
+        over = None if opts.stop.is_set() else members.run_over()
         if over is not None:
             raise SwarmSetupError(
                 f"run {cfg.swarm.run_id!r} is over: its peers finished at {over} and none of them serves that state "
@@ -634,8 +638,7 @@ def first_state(worker: Worker, sync: StateSync, members: Membership, cfg: Confi
                 "Start a new run under another swarm.run_id, or ask the organiser to keep the peers up "
                 "longer after their last round (swarm.linger_seconds)"
             )
-        if not sync.adopted:
-            log.info("no peer of this run holds a trained state the swarm vouches for: starting from seed %d", cfg.seed)
+        log.info("no peer of this run holds a trained state the swarm vouches for: starting from seed %d", cfg.seed)
         return
     raise SwarmSetupError(
         f"peers of run {cfg.swarm.run_id!r} exist, but none sent an outer state that enough peers vouch for within "
