@@ -25,7 +25,7 @@ Output:  :func:`swarm_fingerprint` -> (12 hex digits, summary). The summary is a
            data.num_shards, .partition, data.dirichlet_alpha (only with partition=dirichlet, the only method that
            reads it), data.eval_fraction, data.seq_len
            seed, inner.steps, inner.round_seconds, outer.lr, outer.momentum, outer.nesterov, outer.lr_warmup_rounds
-           swarm.aggregation, swarm.aggregation_clip, swarm.min_cosine
+           swarm.aggregation, swarm.aggregation_clip, swarm.min_cosine, swarm.max_skew
                                          how the reducers bound each sender (robust.py)
            swarm.compression, swarm.part_size_bytes    the wire codec and the parts it encodes (codec.py)
            swarm.fragments                             which tensors each round exchanges (fragments.py)
@@ -170,6 +170,7 @@ def swarm_fingerprint(cfg: Config, model: torch.nn.Module, data: DataPipeline) -
             "swarm.aggregation": cfg.swarm.aggregation,
             "swarm.aggregation_clip": cfg.swarm.aggregation_clip,
             "swarm.min_cosine": cfg.swarm.min_cosine,
+            "swarm.max_skew": cfg.swarm.max_skew,
             "swarm.compression": cfg.swarm.compression,
             "swarm.fragments": cfg.swarm.fragments,
             "swarm.part_size_bytes": cfg.swarm.part_size_bytes,

@@ -1,8 +1,8 @@
 """The simulator's stand-in for the swarm's reducers: what a round's mean is, and what a worker sends for it.
 
 Inputs:  a Config (``swarm.compression``, ``swarm.aggregation``, its clip, ``swarm.part_size_bytes``,
-         ``swarm.target_group_size``, ``swarm.min_cosine``), the round's Contributions, and an Attack (what workers
-         0 .. K-1 send instead: simulate.py's docstring).
+         ``swarm.target_group_size``, ``swarm.min_cosine``, ``swarm.max_skew``), the round's Contributions, and an
+         Attack (what workers 0 .. K-1 send instead: simulate.py's docstring).
 Output:  ``reduce_round``: the mean every member receives, made as the swarm's wire and reducers make it (each Δ
          through the codec in parts, the robust rule over them per group, the groups' means combined, the result
          through the codec of means), and the bytes a worker sends; ``measured_bytes_sent`` and ``wire_bytes_sent``,
@@ -43,9 +43,12 @@ class Attack:
         """Each worker's Δ and wire weight as a reducer receives them."""
         honest = [c.pseudo_grad for c in mine]
         deltas, wire = list(honest), [float(c.inner.tokens) for c in mine]
-        if self.kind == "alie" and len(mine) > 1:  # every colluder sends the same shift along the honest spread
+        if self.kind.startswith("alie") and len(mine) > 1:  # every colluder sends the same shift along the spread
             stacked = [torch.stack(ts) for ts in zip(*honest, strict=True)]
-            shifted = [s.mean(dim=0) - self.scale * s.std(dim=0) for s in stacked]
+            shifted = [
+                s.mean(dim=0) - self.scale * s.std(dim=0) * _signs(s.shape[1:], k, self.kind == "alie-balanced")
+                for k, s in enumerate(stacked)
+            ]
         for k in self.workers if len(mine) > 1 else []:  # a round of one worker has nobody to attack
             if self.kind == "negate":
                 deltas[k] = [d.mul(-self.scale) for d in honest[k]]
@@ -53,9 +56,18 @@ class Attack:
                 wire[k] = self.scale * wire[k]
             elif self.kind == "zeros":
                 deltas[k] = [torch.zeros_like(d) for d in honest[k]]
-            elif self.kind == "alie":
+            elif self.kind.startswith("alie"):
                 deltas[k] = shifted
         return deltas, wire
+
+
+def _signs(shape: torch.Size, tensor: int, balanced: bool) -> torch.Tensor | float:
+    """ALIE's direction per coordinate: 1 everywhere, or (balanced) a fixed pattern of ±1 drawn from seed ``tensor``,
+    the same every round, so the shift accumulates as ALIE's does while half of it lies on each side of the median."""
+    if not balanced:
+        return 1.0
+    draw = torch.randint(0, 2, shape, generator=torch.Generator().manual_seed(tensor), dtype=torch.int8)
+    return draw.to(torch.float32) * 2 - 1
 
 
 def reduce_round(
@@ -90,7 +102,17 @@ def reduce_round(
         return codec.mean.roundtrip(mean)
 
     averaged = aggregate_flat(
-        deltas, weights, s.aggregation, s.aggregation_clip, part_values, stats, scale, groups, carry, s.min_cosine
+        deltas,
+        weights,
+        s.aggregation,
+        s.aggregation_clip,
+        part_values,
+        stats,
+        scale,
+        groups,
+        carry,
+        s.min_cosine,
+        s.max_skew,
     )
     mean_sizes: list[int] = []
     averaged = roundtrip_parts(averaged, codec.mean, part_values, mean_sizes)

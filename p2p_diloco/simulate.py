@@ -20,8 +20,9 @@ weight each worker by ``robust.trusted_weight`` (0 when its wire weight is not t
 wire weight as is. ``--attack`` makes workers 0 .. K-1 hostile (``--attackers K``, default 1; diloco/fedavg only):
 ``negate`` sends -X x its Δ, ``weight`` sends its Δ with wire weight X x its tokens while declaring its tokens, ``alie``
 sends μ - X·σ (the coordinate-wise mean and standard deviation of every worker's honest Δ this round: an omniscient
-"a little is enough" coalition, arXiv 1902.06156), ``zeros`` sends a Δ of zeros with its tokens (a free-rider)
-(X = ``--attack-scale``).
+"a little is enough" coalition, arXiv 1902.06156), ``alie-balanced`` sends μ - X·σ·s with s a fixed pattern of ±1
+(seed 0, the same every round: ALIE's shift with as many coordinates above the median as below), ``zeros`` sends a
+Δ of zeros with its tokens (a free-rider) (X = ``--attack-scale``).
 
 Speeds (diloco/fedavg): ``--speeds`` gives each worker's inner steps per simulated second (default 1 each). The
 simulator's clock: with ``inner.round_seconds`` a round takes round_seconds and worker k takes round_seconds x
@@ -96,7 +97,8 @@ from p2p_diloco.trackers import Trackers, require
 __all__ = ["ATTACKS", "MODES", "main", "simulate"]
 
 MODES = ("diloco", "fedavg", "sync", "single")
-ATTACKS = ("none", "negate", "weight", "alie", "zeros")  # what workers 0 .. K-1 do in diloco/fedavg (module doc)
+# what workers 0 .. K-1 do in diloco/fedavg (module doc)
+ATTACKS = ("none", "negate", "weight", "alie", "alie-balanced", "zeros")
 log = logging.getLogger("p2p_diloco.simulate")
 
 
@@ -221,6 +223,7 @@ def simulate(
             "rule": cfg.swarm.aggregation if mode in ("diloco", "fedavg") else None,
             "clip": cfg.swarm.aggregation_clip,
             "min_cosine": cfg.swarm.min_cosine,
+            "max_skew": cfg.swarm.max_skew,
             **agg_stats.as_dict(),
         },
     }
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=1000.0,
         metavar="X",
-        help="negate: sends -X x Δ; weight: X x tokens; alie: μ - X·σ",
+        help="negate: sends -X x Δ; weight: X x tokens; alie: μ - X·σ; alie-balanced: μ - X·σ·(±1)",
     )
     parser.add_argument(
         "--speeds",

@@ -2,6 +2,8 @@
 
 Usage:   python tests/attack_peer.py ATTACK SCALE run_peer-args...
          ATTACK negate:  it sends -SCALE x its Δ (e.g. 1000);
+                alie:    it sends Δ - SCALE x |Δ|, coordinate by coordinate: "a little is enough" (a shift to one side
+                         along the spread, its own Δ standing in for the honest mean and spread it cannot see);
                 weight:  it sends its Δ with SCALE x its tokens as the all-reduce weight, while its gather payload
                          declares the true tokens (e.g. 1e6);
                 lie:     as a reducer it returns -SCALE x the true average of its slice, to every member;
@@ -28,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # peers, p2p_diloco of this working tree
 
-ATTACKS = ("negate", "weight", "lie", "hijack", "donor", "flood", "garbage")
+ATTACKS = ("negate", "alie", "weight", "lie", "hijack", "donor", "flood", "garbage")
 
 
 def install(attack: str, scale: float) -> None:
@@ -51,6 +53,13 @@ def install(attack: str, scale: float) -> None:
             return [-scale * d for d in honest(anchor, params)]
 
         engine.pseudo_gradient = pseudo_gradient
+    elif attack == "alie":
+        honest = engine.pseudo_gradient
+
+        def shifted(anchor, params):  # type: ignore[no-untyped-def]
+            return [d - scale * d.abs() for d in honest(anchor, params)]
+
+        engine.pseudo_gradient = shifted
     elif attack == "weight":
         reduce = PseudoGradAverager.reduce
 

@@ -112,6 +112,7 @@ def all_honest(tmp_path_factory) -> dict:
 ATTACKS = [  # the 1e6 x wire weight attacker of docs/trust.md runs in test_averager.py (the same reducer path)
     ("negate", "1000"),  # -1000 x its Δ
     ("negate", "1.9"),  # -1.9 x its Δ: inside the norm bound (swarm.aggregation_clip 2), against the others' direction
+    ("alie", "1"),  # Δ - |Δ|: inside the norm bound, with the others' direction, below their median almost everywhere
     ("lie", "100"),  # a reducer returning -100 x its slice's average
     ("hijack", "1000"),  # a signed payload claiming a state 1000 rounds ahead
     ("garbage", "1"),  # malformed gather payloads, garbage under every DHT key the peers read
@@ -130,7 +131,7 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
         last = json.loads(floods[-1])
         assert last["refused"] > last["served"], last
         print("flood:", last)
-    if attack == ("negate", "1.9"):  # the honest reducers dropped it by direction, and named it alone
+    if attack in (("negate", "1.9"), ("alie", "1")):  # the honest reducers dropped it (cosine, skew), named it alone
         attacker = re.search(r"^peer (\S+) (?:reachable|runs)", attacked["attacker_output"], re.M).group(1)
         lines = re.findall(r"part \d+: (\{.*?\}) point\(s\) against", attacked["honest_output"])
         named = {peer for line in lines for peer in ast.literal_eval(line)}

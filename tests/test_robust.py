@@ -10,12 +10,14 @@ from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.outer import weighted_mean
 from p2p_diloco.robust import (
     RULES,
+    SKEW_MIN_VALUES,
     AggregateStats,
     aggregate,
     aggregate_counted,
     aggregate_flat,
     combine_groups,
     cosines_to_median,
+    judge_against_median,
     max_round_tokens,
     trusted_weight,
 )
@@ -269,9 +271,9 @@ def test_a_sign_flipped_sender_of_honest_size_counts_zero_by_direction_alone(rul
     got = aggregate(parts, [1.0] * 4, rule, 2.0, stats, min_cosine=0.0)
     assert torch.equal(got, aggregate(honest[1:], [1.0] * 3, rule, 2.0))
     assert stats.excluded_direction == 1 and stats.min_cosine_kept == min(cosines[1:])
-    judged: dict[int, float] = {}  # by index in the call's parts: a sender of weight 0 is not judged
+    judged: dict = {}  # by index in the call's parts: a sender of weight 0 is not judged
     aggregate_counted([honest[0], *parts], [0.0] + [1.0] * 4, rule, 2.0, None, None, 0.0, judged)
-    assert judged == {k + 1: c for k, c in enumerate(cosines)}
+    assert {k: j.cosine for k, j in judged.items()} == {k + 1: c for k, c in enumerate(cosines)}
     without = aggregate(parts, [1.0] * 4, rule, 2.0)  # off (-1): the flipped sender pulls the result back
     honest_mean = sum(honest[1:]) / 3
     assert float((without - honest_mean).norm()) > 10 * float((got - honest_mean).norm())
@@ -307,14 +309,65 @@ def test_the_direction_floor_keeps_an_honest_group_and_judges_only_three_or_more
         load_config("configs/tiny.yaml", ["swarm.min_cosine=-2"])
 
 
+@pytest.mark.parametrize("rule", ROBUST)
+def test_an_alie_sender_sits_below_the_median_and_the_skew_bound_drops_it(rule):
+    """ALIE (μ − σ of the honest senders, coordinate by coordinate) points with the swarm (cosine > 0: the floor keeps
+    it) but lies below the median almost everywhere; |skew| > max_skew counts it 0: the rule over the honest three,
+    bitwise. Honest senders stay near 0 skew. Off (1): kept."""
+    honest = [_flat(v) for v in _senders(3, shapes=[(40, 10)], spread=1.0)]
+    stacked = torch.stack(honest)
+    alie = stacked.mean(dim=0) - stacked.std(dim=0)
+    parts = [alie, *honest]
+    verdicts = judge_against_median(parts)
+    assert verdicts[0].cosine > 0 and verdicts[0].skew < -0.8
+    stats = AggregateStats()
+    got = aggregate(parts, [1.0] * 4, rule, 2.0, stats, min_cosine=0.0, max_skew=0.5)
+    assert torch.equal(got, aggregate(honest, [1.0] * 3, rule, 2.0))
+    assert stats.excluded_skew == 1 and stats.excluded_direction == 0
+    assert stats.max_skew_kept == max(abs(j.skew) for j in verdicts[1:]) < 0.5
+    kept = AggregateStats()
+    assert not torch.equal(aggregate(parts, [1.0] * 4, rule, 2.0, kept, min_cosine=0.0), got)  # off: it counts
+    assert kept.excluded_skew == 0 and kept.max_skew_kept > 0.8
+
+
+def test_the_skew_needs_enough_values_on_each_side_and_a_longer_honest_delta_or_a_balanced_shift_pass_it():
+    """Fewer than SKEW_MIN_VALUES untied values where the median is positive or where it is negative: skew 0 (a part
+    of one sign cannot tell a shift from a longer Δ). A sender longer than the others everywhere is above the median
+    where it is positive and below where it is negative: skew 0. ALIE's shift with a ±1 pattern (alie-balanced) lies
+    on both sides of the median: the bound does not see it (its known limit)."""
+    signs = torch.tensor([1.0, -1.0]).repeat(SKEW_MIN_VALUES)  # half positive, half negative
+    lengths = [signs * v for v in (1, 2, 3)]
+    assert [j.skew for j in judge_against_median(lengths)] == [0.0, 0.0, 0.0]
+    shifted = [signs * 2 + v for v in (-0.5, 0.0, 0.5)]  # one shift for every value: below, at, above the median
+    assert [j.skew for j in judge_against_median(shifted)] == [-1.0, 0.0, 1.0]  # the median's own ties are left out
+    one_sign = [torch.full((4 * SKEW_MIN_VALUES,), v) for v in (1.0, 2.0, 3.0)]
+    assert [j.skew for j in judge_against_median(one_sign)] == [0.0, 0.0, 0.0]
+    few = [signs[: SKEW_MIN_VALUES + 2] * 2 + v for v in (-0.5, 0.0, 0.5)]  # 33 values on each side
+    assert [j.skew for j in judge_against_median(few)] == [0.0, 0.0, 0.0]
+    honest = [_flat(v) for v in _senders(3, shapes=[(40, 10)], spread=1.0)]
+    stacked = torch.stack(honest)
+    pattern = torch.randint(0, 2, stacked.shape[1:], generator=torch.Generator().manual_seed(0)) * 2 - 1
+    balanced = stacked.mean(dim=0) - stacked.std(dim=0) * pattern
+    assert abs(judge_against_median([balanced, *honest])[0].skew) < 0.5
+    with pytest.raises(ValueError, match="max_skew"):
+        aggregate(honest, [1.0] * 3, "median_filter", 2.0, max_skew=1.5)
+    with pytest.raises(ConfigError, match=r"swarm.max_skew.*\[0, 1\]"):
+        load_config("configs/tiny.yaml", ["swarm.max_skew=-0.1"])
+
+
 def test_the_simulator_runs_a_coalition_and_the_floor_drops_a_free_riders_zeros(tmp_path):
     """``--attackers 2 --attack zeros`` in a 4-worker round: each zero part is dropped by direction (3+ senders), the
-    results name the attackers; an ALIE coalition's Δ points with the swarm (kept); the options are checked."""
+    results name the attackers; an ALIE coalition's Δ lies below the median (dropped by the skew bound) yet points
+    with the swarm (the floor alone keeps it); the options are checked."""
     cfg = load_config("configs/tiny.yaml", ["train.rounds=1", "inner.steps=2", "train.eval_every=0"])
     zeros = simulate(cfg, "diloco", 4, tmp_path / "zeros", attack="zeros", attackers=2)
     parts = zeros["aggregation"]["parts"]
     assert zeros["attack"]["workers"] == [0, 1] and zeros["aggregation"]["excluded_direction"] == 2 * parts
+    bounded = simulate(cfg, "diloco", 4, tmp_path / "bounded", attack="alie", attack_scale=1.0)  # max_skew 0.5
+    assert bounded["aggregation"]["excluded_skew"] == bounded["aggregation"]["parts"]  # every part of the attacker's
+    cfg.swarm.max_skew = 1.0  # off: the floor alone keeps it (it points with the swarm)
     alie = simulate(cfg, "diloco", 4, tmp_path / "alie", attack="alie", attack_scale=1.0)
     assert alie["aggregation"]["excluded_direction"] == 0 and alie["aggregation"]["min_cosine_kept"] > 0
+    assert alie["aggregation"]["excluded_skew"] == 0 and alie["aggregation"]["max_skew_kept"] > 0.8
     with pytest.raises(ConfigError, match="--attackers 4"):
         simulate(cfg, "diloco", 4, tmp_path / "all", attack="zeros", attackers=4)

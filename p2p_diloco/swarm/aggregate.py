@@ -119,6 +119,7 @@ class AggregateMixin:
                 self.max_tokens,
                 stale if min(stale) < 1 else None,
                 self.min_cosine,
+                self.max_skew,
             )
             groups = len(plan.groups.owners) if plan.groups is not None else 1
             async with enter_asynchronously(self.get_tensors()) as local_tensors:

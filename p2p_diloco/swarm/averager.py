@@ -135,6 +135,7 @@ class PseudoGradAverager(
         aggregation: str = "mean",
         aggregation_clip: float = 1.0,
         min_cosine: float = -1.0,
+        max_skew: float = 1.0,
         max_tokens: int | None = None,
         identity: Identity | None = None,
         authorized: Container[str] | None = None,
@@ -188,6 +189,7 @@ class PseudoGradAverager(
         self.rules = rules or RoundRules()
         self.aggregation, self.aggregation_clip, self.max_tokens = aggregation, aggregation_clip, max_tokens
         self.min_cosine = min_cosine
+        self.max_skew = max_skew
         # identity: sign our gather payload, and drop every member's that its author did not sign (None: unsigned
         # payloads, for tests of the all-reduce alone). authorized: the peer ids of a closed run (None: open).
         self.identity, self.authorized, self.max_state_downloads = identity, authorized, max_state_downloads
@@ -263,6 +265,7 @@ class PseudoGradAverager(
         kw.setdefault("aggregation", swarm.aggregation)
         kw.setdefault("aggregation_clip", swarm.aggregation_clip)
         kw.setdefault("min_cosine", swarm.min_cosine)
+        kw.setdefault("max_skew", swarm.max_skew)
         kw.setdefault("max_state_downloads", swarm.max_state_downloads)
         return cls(dht, templates, prefix, **{name: getattr(swarm, name) for name in names}, **kw)
 

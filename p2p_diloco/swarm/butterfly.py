@@ -21,7 +21,8 @@ What differs from the stock runner:
 - the reducer keeps every sender's part and reduces them together (``robust.aggregate``: a mean whose senders
   are clipped, configured by ``swarm.aggregation``), each with the weight its gather payload declared, if the
   wire weight matches it and one round can hold it, else 0 (stock: the wire weight, whatever it is); a sender
-  whose part points against the others' median (``swarm.min_cosine``) counts 0 and is named in a warning;
+  whose part points against the others' median (``swarm.min_cosine``) or sits on one side of it (``swarm.max_skew``)
+  counts 0 and is named in a warning;
 - an averaged slice longer than ``2 x aggregation_clip`` x this member's own part of it (times the heaviest
   sender's tokens over ours, when they differ) marks its reducer a liar
   (``lying_reducers``): robust rules never average parts longer than clip x the median, so an honest reducer's
@@ -55,7 +56,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from p2p_diloco.robust import aggregate_counted, trusted_weight
+from p2p_diloco.robust import Judgement, aggregate_counted, dropped, trusted_weight
 from p2p_diloco.swarm.combine import Combiner, RoundGroups, Settled
 from p2p_diloco.swarm.repair import slice_ranges
 from p2p_diloco.swarm.wire import CountingStub, PayloadBytes, WireCodec, counted_messages
@@ -82,7 +83,7 @@ class Aggregation:
     counts (protocol.decide), else None; a part counts with that many tokens only if the sender's wire weight says
     the same and it is at most ``max_tokens`` (robust.trusted_weight), else with weight 0. ``factors``: per sender,
     what its weight is multiplied by in the mean (a delayed Δ: protocol.RoundRules.weight_factors), None: all 1.
-    ``min_cosine``: robust.py's direction floor (-1: off).
+    ``min_cosine``, ``max_skew``: robust.py's direction floor (-1: off) and sign skew bound (1: off).
     """
 
     rule: str
@@ -91,6 +92,7 @@ class Aggregation:
     max_tokens: int | None = None
     factors: tuple[float, ...] | None = None
     min_cosine: float = -1.0
+    max_skew: float = 1.0
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -157,10 +159,12 @@ class RobustPartReducer(TensorPartReducer):
         weights = [self.current_parts[i][1] for i in senders]
         how = self.aggregation
         factors = None if how.factors is None else [how.factors[i] for i in senders]
-        cosines: dict[int, float] = {}
-        mean, counted = aggregate_counted(parts, weights, how.rule, how.clip, None, factors, how.min_cosine, cosines)
+        judged: dict[int, Judgement] = {}
+        mean, counted = aggregate_counted(
+            parts, weights, how.rule, how.clip, None, factors, how.min_cosine, judged, how.max_skew
+        )
         part = self.first_part + self.current_part_index
-        self._judge(part, {self._name(senders[k]): c for k, c in cosines.items()})
+        self._judge(part, {self._name(senders[k]): j for k, j in judged.items()})
         if self.combiner is None:
             self.current_part_future.set_result(mean)
         else:  # our group's mean of this part goes to the part's round reducer: every member awaits the round's mean
@@ -170,22 +174,28 @@ class RobustPartReducer(TensorPartReducer):
     def _name(self, sender: int) -> str:
         return self.names[sender] if sender < len(self.names) else f"sender {sender}"
 
-    def _judge(self, part: int, cosines: dict[str, float]) -> None:
-        """Keep who the direction floor judged in this part and who it dropped; name the dropped in a warning (a rare,
-        hostile event) with their cosines."""
-        for name in cosines:
+    def _judge(self, part: int, judged: dict[str, Judgement]) -> None:
+        """Keep who was judged against the median in this part and who was dropped; name the dropped in a warning (a
+        rare, hostile event) with their cosine and skew."""
+        for name in judged:
             self.judged[name] = self.judged.get(name, 0) + 1
-        floor = self.aggregation.min_cosine
-        away = {name: round(c, 3) for name, c in cosines.items() if c < floor}
+        how = self.aggregation
+        away = {
+            name: (round(j.cosine, 3), round(j.skew, 3))
+            for name, j in judged.items()
+            if dropped(j, how.min_cosine, how.max_skew)
+        }
         if not away:
             return
         for name in away:
             self.pointed_away[name] = self.pointed_away.get(name, 0) + 1
         log.warning(
-            "part %d: %s point(s) against the other senders' median (cosine < swarm.min_cosine %g): counted 0",
+            "part %d: %s point(s) against the other senders' median or lie on one side of it ((cosine, skew): "
+            "cosine < swarm.min_cosine %g or |skew| > swarm.max_skew %g): counted 0",
             part,
             away,
-            floor,
+            how.min_cosine,
+            how.max_skew,
         )
 
 
