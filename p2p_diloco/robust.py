@@ -47,7 +47,7 @@ Output:  the aggregated part (fp32, same shape, a new tensor). Rules:
          coordinate by coordinate) is below it nearly everywhere while its cosine and norm look honest (SignGuard's
          observation, arXiv 2109.05872): skew near −1. The two sides are taken apart because an honest Δ longer than
          the others is above the median where it is positive and below where it is negative: in a part where nearly
-         every value has one sign (a norm's gains, a bias) that alone read as a skew of ±0.6-0.8 in real swarms.
+         every value has one sign (a norm's gains, a bias) that alone read as a skew of ±0.5-0.72 in a real swarm.
          Measured: docs/robust_aggregation.md.
          ``trusted_weight`` returns the declared tokens when the wire weight equals them and 0 < tokens <= the round's
          maximum, else 0.0 (the sender is excluded from every part).
@@ -198,13 +198,13 @@ def judge_against_median(parts: Sequence[torch.Tensor]) -> list[Judgement]:
     centre = (ordered[:, (m - 1) // 2].to(torch.float64) + ordered[:, m // 2].to(torch.float64)) * 0.5
     del ordered
     centre_norm = float(torch.linalg.vector_norm(centre))
-    sides = (centre > 0, centre < 0)
+    sides = [(mask, centre[mask]) for mask in (centre > 0, centre < 0)]
     out = []
     for x in parts:
         x = x.to(torch.float64)
         skews = []
-        for side in sides:
-            above, below = int((x[side] > centre[side]).sum()), int((x[side] < centre[side]).sum())
+        for mask, middle in sides:
+            above, below = int((x[mask] > middle).sum()), int((x[mask] < middle).sum())
             skews.append((above - below) / (above + below) if above + below >= SKEW_MIN_VALUES else None)
         skew = 0.0 if None in skews else (skews[0] + skews[1]) / 2
         norm = float(torch.linalg.vector_norm(x))
