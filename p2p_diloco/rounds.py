@@ -50,7 +50,7 @@ class ReduceInfo:
     gathered: Gathered = field(default_factory=Gathered)
     ahead: RoundTag | None = None  # the swarm's state, when it was too far ahead of ours to look for a group
     groups: int = 1  # the groups the round ran as (protocol.split_groups): one butterfly each, their means combined
-    dropped: dict[str, int] = field(default_factory=dict)  # sender -> parts our reducer dropped by direction
+    dropped: dict[str, int] = field(default_factory=dict)  # sender -> parts our reducer dropped by direction or skew
     group_reads: int = 0  # DHT lookups of the group key's declarations that matchmaking made (swarm/matchmaking.py)
     repaired: int = 0  # reducers' slices whose replies stopped short, copied whole from a mate (swarm/repair.py)
 

@@ -97,8 +97,8 @@ class Aggregation:
 
 class RobustPartReducer(TensorPartReducer):
     """A TensorPartReducer that keeps each sender's current part and reduces them together with robust.aggregate,
-    weighting each by its trusted weight instead of the weight it put on the wire. A sender the direction floor
-    drops is named in a warning (``names``: the senders' peer ids, in sender order)."""
+    weighting each by its trusted weight instead of the weight it put on the wire. A sender the direction floor or
+    the sign skew bound drops is named in a warning (``names``: the senders' peer ids, in sender order)."""
 
     def __init__(
         self,
@@ -111,7 +111,7 @@ class RobustPartReducer(TensorPartReducer):
     ):
         self.aggregation, self.combiner, self.first_part = aggregation, combiner, first_part
         self.names = list(names)
-        self.judged: dict[str, int] = {}  # senders whose parts the direction floor judged: how many (strikes.py)
+        self.judged: dict[str, int] = {}  # senders whose parts were judged against the median: how many (strikes.py)
         self.pointed_away: dict[str, int] = {}  # and the parts it dropped of each, where it dropped any
         self.current_parts: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(part_shapes, num_senders)

@@ -1,8 +1,9 @@
-"""Repeat offenders: a sender this member's reducer keeps dropping for pointing against the others is banned.
+"""Repeat offenders: a sender this member's reducer keeps dropping for pointing against the others (or lying on one
+side of them) is banned.
 
 Inputs:  ``record(judged, dropped)`` once per all-reduce this member's reducer took part in: per sender, how many of
-         its parts the direction floor judged (robust.py's floor: robust rules, 3 or more senders) and how many it
-         dropped for a cosine below ``swarm.min_cosine``.
+         its parts were judged against the senders' median (robust.py's floor and skew: robust rules, 3 or more
+         senders) and how many it dropped for a cosine below ``swarm.min_cosine`` or a skew over ``swarm.max_skew``.
 Output:  the senders struck in ``limit`` judged all-reduces in a row, once each time they get there (the caller bans
          them: aggregate.py, for matchmaking.BAN_SECONDS, as a reducer caught lying). A strike: more than half of the
          sender's judged parts dropped.
