@@ -41,13 +41,18 @@ Output:  the aggregated part (fp32, same shape, a new tensor). Rules:
          midpoint: neither can be told from the other).
          Sign skew (the same senders, with ``max_skew`` < 1): over the coordinates where that median is positive, a
          sender's (above − below) / (above + below), counting its values above and below the median (ties left out);
-         the same over the coordinates where the median is negative; the skew is the mean of the two (0 when either
-         side has fewer than ``SKEW_MIN_VALUES`` untied values). A sender whose |skew| exceeds ``max_skew`` counts 0
-         for that part. An honest Δ is above the median about as often as below; "a little is enough" (ALIE: μ − z·σ
-         coordinate by coordinate) is below it nearly everywhere while its cosine and norm look honest (SignGuard's
-         observation, arXiv 2109.05872): skew near −1. The two sides are taken apart because an honest Δ longer than
-         the others is above the median where it is positive and below where it is negative: in a part where nearly
-         every value has one sign (a norm's gains, a bias) that alone read as a skew of ±0.5-0.72 in a real swarm.
+         the same over the coordinates where the median is negative; its raw skew is the mean of the two (none when
+         either side has fewer than ``SKEW_MIN_VALUES`` untied values). Its skew is its raw skew less the (midpoint)
+         median of the senders' raw skews (0 without a raw skew, or when fewer than 3 senders have one). A sender
+         whose |skew| exceeds ``max_skew`` counts 0 for that part. An honest Δ is above the median about as often as
+         below; "a little is enough" (ALIE: μ − z·σ coordinate by coordinate) is below it nearly everywhere while its
+         cosine and norm look honest (SignGuard's observation, arXiv 2109.05872): raw skew near −1. The two sides are
+         taken apart because an honest Δ longer than the others is above the median where it is positive and below
+         where it is negative: in a part where nearly every value has one sign (a norm's gains, a bias) that alone
+         read as a raw skew of ±0.5-0.72 in a real swarm. The skews' median is taken out because colluders below
+         the median push the honest senders above it: with 1 of 3 they are above at every untied value (raw +1),
+         with k of m (k < m / 2) about (m − 2k) / (m − k) more often than below; relative to the median skew, honest
+         senders stay near 0 and the colluders near −1 − that, while they are fewer than half.
          Measured: docs/robust_aggregation.md.
          ``trusted_weight`` returns the declared tokens when the wire weight equals them and 0 < tokens <= the round's
          maximum, else 0.0 (the sender is excluded from every part).
@@ -191,7 +196,7 @@ def cosines_to_median(parts: Sequence[torch.Tensor]) -> list[float]:
 
 def judge_against_median(parts: Sequence[torch.Tensor]) -> list[Judgement]:
     """Each part's cosine to the coordinate-wise (midpoint) median of all of them (``cosines_to_median``) and its sign
-    skew against that median (module doc), in fp64."""
+    skew against that median, relative to the senders' median skew (module doc), in fp64."""
     # one row per coordinate: sorting rows of m values is ~3-5x faster than sorting along the senders' axis
     ordered = torch.stack([p.to(torch.float32) for p in parts], dim=1).sort(dim=1).values
     m = ordered.shape[1]
@@ -199,21 +204,32 @@ def judge_against_median(parts: Sequence[torch.Tensor]) -> list[Judgement]:
     del ordered
     centre_norm = float(torch.linalg.vector_norm(centre))
     sides = [(mask, centre[mask]) for mask in (centre > 0, centre < 0)]
-    out = []
+    cosines: list[float] = []
+    raw: list[float | None] = []
     for x in parts:
         x = x.to(torch.float64)
-        skews = []
-        for mask, middle in sides:
-            above, below = int((x[mask] > middle).sum()), int((x[mask] < middle).sum())
-            skews.append((above - below) / (above + below) if above + below >= SKEW_MIN_VALUES else None)
-        skew = 0.0 if None in skews else (skews[0] + skews[1]) / 2
+        raw.append(_raw_skew(x, sides))
         norm = float(torch.linalg.vector_norm(x))
         if centre_norm == 0:
-            cosine = 0.0
+            cosines.append(0.0)
         else:
-            cosine = float(torch.dot(x, centre)) / (norm * centre_norm) if norm > 0 else -1.0
-        out.append(Judgement(cosine, skew))
-    return out
+            cosines.append(float(torch.dot(x, centre)) / (norm * centre_norm) if norm > 0 else -1.0)
+    known = sorted(r for r in raw if r is not None)
+    typical = (known[(len(known) - 1) // 2] + known[len(known) // 2]) / 2 if len(known) >= 3 else None
+    skews = [0.0 if r is None or typical is None else r - typical for r in raw]
+    return [Judgement(c, k) for c, k in zip(cosines, skews, strict=True)]
+
+
+def _raw_skew(x: torch.Tensor, sides: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    """The mean over the median's positive and negative side of (above − below) / (above + below); None when a side
+    has fewer than SKEW_MIN_VALUES of x's values off the median."""
+    per_side = []
+    for mask, middle in sides:
+        above, below = int((x[mask] > middle).sum()), int((x[mask] < middle).sum())
+        if above + below < SKEW_MIN_VALUES:
+            return None
+        per_side.append((above - below) / (above + below))
+    return sum(per_side) / 2
 
 
 def _centered_clip(
@@ -360,8 +376,9 @@ def aggregate_counted(
 
 
 def dropped(judgement: Judgement, min_cosine: float, max_skew: float) -> bool:
-    """Whether a judged sender's part counts 0: it points against the median, or sits on one side of it."""
-    return judgement.cosine < min_cosine or abs(judgement.skew) > max_skew
+    """Whether a judged sender's part counts 0: it points against the median, or lies on one side of it more than the
+    other senders do (``max_skew`` 1: never)."""
+    return judgement.cosine < min_cosine or (max_skew < 1.0 and abs(judgement.skew) > max_skew)
 
 
 def combine_groups(

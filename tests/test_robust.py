@@ -330,6 +330,21 @@ def test_an_alie_sender_sits_below_the_median_and_the_skew_bound_drops_it(rule):
     assert kept.excluded_skew == 0 and kept.max_skew_kept > 0.8
 
 
+@pytest.mark.parametrize("rule", ROBUST)
+def test_one_alie_sender_of_three_is_dropped_and_the_honest_two_it_pushes_above_the_median_are_not(rule):
+    """With 3 senders the median is one of them at every coordinate: an ALIE sender below it everywhere leaves the two
+    honest ones above it at every untied value (raw skew +1 each). Relative to the senders' median skew (+1) the
+    honest ones are at 0 and ALIE at -2: it alone counts 0."""
+    honest = [_flat(v) for v in _senders(2, shapes=[(100, 10)], spread=1.0)]
+    stacked = torch.stack(honest)
+    alie = stacked.mean(dim=0) - stacked.std(dim=0) - stacked.std(dim=0).max()  # below both, everywhere
+    verdicts = judge_against_median([*honest, alie])
+    assert [j.skew for j in verdicts] == [0.0, 0.0, -2.0]
+    stats = AggregateStats()
+    got = aggregate([*honest, alie], [1.0] * 3, rule, 2.0, stats, min_cosine=-1.0, max_skew=0.5)
+    assert torch.equal(got, aggregate(honest, [1.0] * 2, rule, 2.0)) and stats.excluded_skew == 1
+
+
 def test_the_skew_needs_enough_values_on_each_side_and_a_longer_honest_delta_or_a_balanced_shift_pass_it():
     """Fewer than SKEW_MIN_VALUES untied values where the median is positive or where it is negative: skew 0 (a part
     of one sign cannot tell a shift from a longer Δ). A sender longer than the others everywhere is above the median
@@ -338,8 +353,10 @@ def test_the_skew_needs_enough_values_on_each_side_and_a_longer_honest_delta_or_
     signs = torch.tensor([1.0, -1.0]).repeat(SKEW_MIN_VALUES)  # half positive, half negative
     lengths = [signs * v for v in (1, 2, 3)]
     assert [j.skew for j in judge_against_median(lengths)] == [0.0, 0.0, 0.0]
-    shifted = [signs * 2 + v for v in (-0.5, 0.0, 0.5)]  # one shift for every value: below, at, above the median
-    assert [j.skew for j in judge_against_median(shifted)] == [-1.0, 0.0, 1.0]  # the median's own ties are left out
+    shifted = [signs * 2 + v for v in (-0.5, 0.0, 0.5)]  # raw -1, none (the median itself: all ties), +1
+    assert [j.skew for j in judge_against_median(shifted)] == [0.0, 0.0, 0.0]  # 2 raw skews: no median skew to judge by
+    four = [signs * 2 + v for v in (-0.5, 0.1, 0.2, 0.3)]  # raw -1, -1, +1, +1: median 0
+    assert [j.skew for j in judge_against_median(four)] == [-1.0, -1.0, 1.0, 1.0]
     one_sign = [torch.full((4 * SKEW_MIN_VALUES,), v) for v in (1.0, 2.0, 3.0)]
     assert [j.skew for j in judge_against_median(one_sign)] == [0.0, 0.0, 0.0]
     few = [signs[: SKEW_MIN_VALUES + 2] * 2 + v for v in (-0.5, 0.0, 0.5)]  # 33 values on each side
