@@ -21,8 +21,8 @@ wire weight as is. ``--attack`` makes workers 0 .. K-1 hostile (``--attackers K`
 ``negate`` sends -X x its Δ, ``weight`` sends its Δ with wire weight X x its tokens while declaring its tokens, ``alie``
 sends μ - X·σ (the coordinate-wise mean and standard deviation of every worker's honest Δ this round: an omniscient
 "a little is enough" coalition, arXiv 1902.06156), ``alie-balanced`` sends μ - X·σ·s with s a fixed pattern of ±1
-(seed 0, the same every round: ALIE's shift with as many coordinates above the median as below), ``zeros`` sends a
-Δ of zeros with its tokens (a free-rider) (X = ``--attack-scale``).
+(drawn per tensor, the same every round: ALIE's shift with as many coordinates above the median as below),
+``zeros`` sends a Δ of zeros with its tokens (a free-rider) (X = ``--attack-scale``).
 
 Speeds (diloco/fedavg): ``--speeds`` gives each worker's inner steps per simulated second (default 1 each). The
 simulator's clock: with ``inner.round_seconds`` a round takes round_seconds and worker k takes round_seconds x
