@@ -225,7 +225,8 @@ def _raw_skew(x: torch.Tensor, sides: list[tuple[torch.Tensor, torch.Tensor]]) -
     has fewer than SKEW_MIN_VALUES of x's values off the median."""
     per_side = []
     for mask, middle in sides:
-        above, below = int((x[mask] > middle).sum()), int((x[mask] < middle).sum())
+        values = x[mask]  # one gather per side, not one per comparison
+        above, below = int((values > middle).sum()), int((values < middle).sum())
         if above + below < SKEW_MIN_VALUES:
             return None
         per_side.append((above - below) / (above + below))
