@@ -131,7 +131,7 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
         last = json.loads(floods[-1])
         assert last["refused"] > last["served"], last
         print("flood:", last)
-    if attack in (("negate", "1.9"), ("alie", "1")):  # the honest reducers dropped it (cosine, skew), named it alone
+    if attack in (("negate", "1.9"), ("alie", "1")):  # the honest reducers dropped it (cosine, skew), named, banned it
         attacker = re.search(r"^peer (\S+) (?:reachable|runs)", attacked["attacker_output"], re.M).group(1)
         lines = re.findall(r"part \d+: (\{.*?\}) point\(s\) against", attacked["honest_output"])
         named = {peer for line in lines for peer in ast.literal_eval(line)}
