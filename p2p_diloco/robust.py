@@ -40,19 +40,24 @@ Output:  the aggregated part (fp32, same shape, a new tensor). Rules:
          any floor; a median of norm 0 judges nobody (cosine 0). Two senders are not judged (the median is their
          midpoint: neither can be told from the other).
          Sign skew (the same senders, with ``max_skew`` < 1): over the coordinates where that median is positive, a
-         sender's (above − below) / (above + below), counting its values above and below the median (ties left out);
-         the same over the coordinates where the median is negative; its raw skew is the mean of the two (none when
-         either side has fewer than ``SKEW_MIN_VALUES`` untied values). Its skew is its raw skew less the (midpoint)
-         median of the senders' raw skews (0 without a raw skew, or when fewer than 3 senders have one). A sender
-         whose |skew| exceeds ``max_skew`` counts 0 for that part. An honest Δ is above the median about as often as
-         below; "a little is enough" (ALIE: μ − z·σ coordinate by coordinate) is below it nearly everywhere while its
-         cosine and norm look honest (SignGuard's observation, arXiv 2109.05872): raw skew near −1. The two sides are
-         taken apart because an honest Δ longer than the others is above the median where it is positive and below
-         where it is negative: in a part where nearly every value has one sign (a norm's gains, a bias) that alone
-         read as a raw skew of ±0.5-0.72 in a real swarm. The skews' median is taken out because colluders below
-         the median push the honest senders above it: with 1 of 3 they are above at every untied value (raw +1),
-         with k of m (k < m / 2) about (m − 2k) / (m − k) more often than below; relative to the median skew, honest
-         senders stay near 0 and the colluders near −1 − that, while they are fewer than half.
+         sender's side skew (above − below) / (above + below), counting its values above and below the median (ties
+         left out), less the (midpoint) median of the senders' side skews there; the same over the coordinates where
+         the median is negative (no side skew when a side has fewer than ``SKEW_MIN_VALUES`` untied values; none
+         relative when fewer than 3 senders have one). Its skew is the smaller of the two relative side skews when
+         both have one sign (with that sign), else 0. A sender whose |skew| exceeds ``max_skew`` counts 0 for that
+         part. An honest Δ is above the median about as often as below; "a little is enough" (ALIE: μ − z·σ
+         coordinate by coordinate) is below it nearly everywhere, on both sides, while its cosine and norm look
+         honest (SignGuard's observation, arXiv 2109.05872): side skews near −1 and −1. The sides are taken apart
+         because an honest Δ longer than the others is above the median where it is positive and below where it is
+         negative (+1 and −1: skew 0): in a part where nearly every value has one sign (a norm's gains, a bias) one
+         skew over all values read ±0.5-0.72 for honest peers in a real swarm. Both sides must agree because an
+         honest Δ can lie on one side of the median on one side alone: with sparse gradients (embedding rows that
+         most peers' batches miss, the scale harness's micro model) 16 honest senders had side skews like +0.17
+         and +0.97, which their mean (then the rule) dropped in 6 of 1056 sender-parts. The senders' median is
+         taken out because colluders below the median push the honest senders above it: with 1 of 3 they are
+         above at every untied value (+1), with k of m (k < m / 2) about (m − 2k) / (m − k) more often than below;
+         relative to the median, honest senders stay near 0 and the colluders near −1 − that, while they are fewer
+         than half.
          Measured: docs/robust_aggregation.md.
          ``trusted_weight`` returns the declared tokens when the wire weight equals them and 0 < tokens <= the round's
          maximum, else 0.0 (the sender is excluded from every part).
@@ -205,24 +210,28 @@ def judge_against_median(parts: Sequence[torch.Tensor]) -> list[Judgement]:
     centre_norm = float(torch.linalg.vector_norm(centre))
     sides = [(mask, centre[mask]) for mask in (centre > 0, centre < 0)]
     cosines: list[float] = []
-    raw: list[float | None] = []
+    raw: list[tuple[float, float] | None] = []
     for x in parts:
         x = x.to(torch.float64)
-        raw.append(_raw_skew(x, sides))
+        raw.append(_side_skews(x, sides))
         norm = float(torch.linalg.vector_norm(x))
         if centre_norm == 0:
             cosines.append(0.0)
         else:
             cosines.append(float(torch.dot(x, centre)) / (norm * centre_norm) if norm > 0 else -1.0)
-    known = sorted(r for r in raw if r is not None)
-    typical = (known[(len(known) - 1) // 2] + known[len(known) // 2]) / 2 if len(known) >= 3 else None
-    skews = [0.0 if r is None or typical is None else r - typical for r in raw]
-    return [Judgement(c, k) for c, k in zip(cosines, skews, strict=True)]
+    known = [r for r in raw if r is not None]
+    if len(known) < 3:
+        return [Judgement(c, 0.0) for c in cosines]
+    typical = [_midpoint_median([r[side] for r in known]) for side in (0, 1)]
+    return [
+        Judgement(c, 0.0 if r is None else _agreeing(r[0] - typical[0], r[1] - typical[1]))
+        for c, r in zip(cosines, raw, strict=True)
+    ]
 
 
-def _raw_skew(x: torch.Tensor, sides: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-    """The mean over the median's positive and negative side of (above − below) / (above + below); None when a side
-    has fewer than SKEW_MIN_VALUES of x's values off the median."""
+def _side_skews(x: torch.Tensor, sides: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float] | None:
+    """(above − below) / (above + below) of x's values against the median, on its positive and its negative side;
+    None when a side has fewer than SKEW_MIN_VALUES of x's values off the median."""
     per_side = []
     for mask, middle in sides:
         values = x[mask]  # one gather per side, not one per comparison
@@ -230,7 +239,19 @@ def _raw_skew(x: torch.Tensor, sides: list[tuple[torch.Tensor, torch.Tensor]]) -
         if above + below < SKEW_MIN_VALUES:
             return None
         per_side.append((above - below) / (above + below))
-    return sum(per_side) / 2
+    return per_side[0], per_side[1]
+
+
+def _midpoint_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+
+
+def _agreeing(a: float, b: float) -> float:
+    """The smaller of two side skews when both have one sign (with it), else 0: a shift moves both sides."""
+    if a * b <= 0:
+        return 0.0
+    return min(a, b) if a > 0 else max(a, b)
 
 
 def _centered_clip(

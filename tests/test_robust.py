@@ -372,6 +372,24 @@ def test_the_skew_needs_enough_values_on_each_side_and_a_longer_honest_delta_or_
         load_config("configs/tiny.yaml", ["swarm.max_skew=-0.1"])
 
 
+def test_a_sender_on_one_side_of_the_median_where_it_is_negative_only_is_honest_a_shift_on_both_sides_is_not():
+    """Sparse gradients (the scale harness's micro model, embedding rows most peers' batches miss): honest senders
+    had side skews like +0.17 where the median is positive and +0.97 where it is negative; their mean (0.57) was
+    over the bound. Only a sender off to one side on both sides is shifted; one side alone skews 0."""
+    signs = torch.tensor([1.0, -1.0]).repeat(4 * SKEW_MIN_VALUES)
+    gen = torch.Generator().manual_seed(0)
+    honest = [signs * 2 + 0.1 * torch.randn(signs.shape, generator=gen) for _ in range(6)]
+    shorter_where_negative = honest[0].clone()
+    shorter_where_negative[signs < 0] = -1.5  # above the others' -2 ± 0.1 everywhere there, as before elsewhere
+    verdicts = judge_against_median([shorter_where_negative, *honest[1:]])
+    assert abs(verdicts[0].skew) < 0.25
+    stats = AggregateStats()
+    aggregate([shorter_where_negative, *honest[1:]], [1.0] * 6, "median_filter", 2.0, stats, max_skew=0.5)
+    assert stats.excluded_skew == 0
+    shifted = honest[0] - 0.5  # below the others on both sides
+    assert judge_against_median([shifted, *honest[1:]])[0].skew < -0.8
+
+
 def test_the_simulator_runs_a_coalition_and_the_floor_drops_a_free_riders_zeros(tmp_path):
     """``--attackers 2 --attack zeros`` in a 4-worker round: each zero part is dropped by direction (3+ senders), the
     results name the attackers; an ALIE coalition's Δ lies below the median (dropped by the skew bound) yet points
