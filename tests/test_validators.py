@@ -101,6 +101,35 @@ def test_checked_once_gives_the_signature_verdict_and_verifies_a_record_once_per
     assert len(validators.VERDICTS) == 3 and kept == [True, False, True]  # the least recently asked go first
 
 
+def test_verdicts_stay_right_and_bounded_when_many_node_threads_ask_at_once() -> None:
+    """The scale harness runs 32 DHT nodes' event loops as threads of one process, all asking VERDICTS (no lock)."""
+    verdicts, errors = Verdicts(memory=50), []
+    checked: list[bytes] = []
+
+    def ask(worker: int) -> None:
+        try:
+            for i in range(2000):
+                digest = ((worker * 7 + i) % 120).to_bytes(2, "little")  # shared digests, more than the memory
+                expected = digest[0] % 3 == 0
+                got = verdicts.verdict(digest, lambda d=digest, e=expected: checked.append(d) or e)
+                if got != expected:
+                    errors.append((digest, got))
+        except Exception as exc:  # noqa: BLE001 - a race would show up here
+            errors.append(exc)
+
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, to meet the races
+    try:
+        threads = [threading.Thread(target=ask, args=(w,)) for w in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(0.005)
+    assert errors == [] and len(verdicts) <= 50
+    assert verdicts.hits > 0 and len(checked) < 8 * 2000  # remembered verdicts were used
+
+
 def test_schema_and_guard_verdicts_are_hivemind_s_and_remembered_per_content(monkeypatch) -> None:
     monkeypatch.setattr(validators, "VERDICTS", Verdicts(memory=64))
     signer = RSASignatureValidator(RSAPrivateKey())
