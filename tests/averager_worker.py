@@ -16,6 +16,8 @@ optional ``lie_to_first`` (as a reducer, send the first sender a result 0.1% off
 optional ``hostile_asks`` (before repairing a slice, ask each mate for it in ways it must refuse: ``ASKS {json}``),
 optional ``drop_first_group`` (as a follower, give up on the first group a leader assembles with this peer, once its
 BEGIN_ALLREDUCE is in: a group formed on the leader's side only; prints ``DROPPED {json}``), optional
+``slow_first_group`` (as a follower, take in the first group's BEGIN_ALLREDUCE that many seconds late, as a busy
+process does: its mates' parts come before it registers the group; prints ``SLOW {json}``), optional
 ``expected_members`` (what the host's ``expected_members`` answers: the peers this round's matchmaking expects),
 optional ``client_mode``
 (true: a client-mode DHT node and averager, as a peer behind NAT runs), optional ``identity_path``
@@ -38,6 +40,7 @@ The kill hook prints ``DYING {json}`` just before the kill.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -211,6 +214,24 @@ def _install_drop_first_group() -> None:
     Matchmaking.follower_assemble_group = drop
 
 
+def _install_slow_first_group(seconds: float) -> None:
+    """The first group a leader assembles with this member as a follower is taken in ``seconds`` late: accepted, its
+    BEGIN_ALLREDUCE in, but registered only then (as a follower whose process is busy: 32 peers a process in the
+    scale harness), while the leader and the other mates already send it parts."""
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    honest, slowed = Matchmaking.follower_assemble_group, []
+
+    async def slow(self, leader, msg):  # type: ignore[no-untyped-def]
+        if not slowed:  # before hivemind's own: it hands the group to look_for_group, which registers it at once
+            slowed.append(str(leader))
+            emit("SLOW", {"leader": str(leader), "seconds": seconds})
+            await asyncio.sleep(seconds)
+        return await honest(self, leader, msg)
+
+    Matchmaking.follower_assemble_group = slow
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -228,6 +249,8 @@ def main() -> None:
         _install_hostile_asks()
     if cfg.get("drop_first_group"):
         _install_drop_first_group()
+    if cfg.get("slow_first_group"):
+        _install_slow_first_group(float(cfg["slow_first_group"]))
     if cfg.get("kill_after_parts"):
         install_kill_after_sends(int(cfg["kill_after_parts"]), lambda sent: emit("DYING", {"t": time.time()}))
     shapes, seed, out_dir = cfg["shapes"], cfg["seed"], cfg["out_dir"]

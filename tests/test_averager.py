@@ -444,6 +444,27 @@ def test_a_group_formed_on_the_leaders_side_only_is_met_again_in_the_next_attemp
 
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
+def test_a_follower_that_takes_its_group_in_late_is_waited_for_not_refused(spawn):
+    """The follower registers the group its leader assembled 2.5 s after its BEGIN_ALLREDUCE came (request_timeout
+    1 s, next_chunk_timeout 8 s), as a busy process does. Its leader's parts wait for it: both complete the first
+    attempt. Refusing every part after request_timeout (before) made the leader ban it as a sender and the attempt
+    fail: at 64 peers, 32 a process, rounds 2 to 4 were lost that way."""
+    averager = {**FAST, "next_chunk_timeout": 8.0}  # the late follower's parts, too, come well within it
+    peers = start_swarm(spawn, 2, slow_first_group=2.5, expected_members=2, averager=averager)
+    for peer in peers:
+        peer.send("REDUCE 1.0")
+    results = [peer.expect("RESULT", 60) for peer in peers]
+    infos = [result["info"] for result in results]
+    slowed = [k for k, peer in enumerate(peers) if any(line.startswith("SLOW ") for line in peer.proc.stdout_lines)]
+    assert len(slowed) == 1, infos  # the follower; a leader takes in no BEGIN_ALLREDUCE
+    for k, info in enumerate(infos):
+        assert info["complete"] and info["attempts"] == 1 and info["group_size"] == 2, info
+        assert_close(peers[k].result(), weighted_mean([0, 1], [1.0, 1.0]))
+    assert infos[1 - slowed[0]]["allreduce_seconds"] >= 2.0, infos  # the leader's parts waited for it
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
 def test_a_peer_nobody_is_ready_for_waits_for_the_next_one_then_averages(spawn):
     """group_wait says the next peer is ready in 2 s: the peer waits that long first (counted as matchmaking, and
     said in the reason), then groups with the one that was there all along."""

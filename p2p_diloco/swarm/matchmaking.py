@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
 
@@ -196,13 +197,25 @@ class MatchmakingMixin:
         """hivemind builds its Matchmaking in the averager process; as a follower ours never asks a leader that is
         unlisted or banned to take it (it answers None, as for a leader that refused, and the search goes on),
         each declaration's expiration is recorded (``_declared_until``) and the declarations are read at most every
-        ``READ_PAUSE`` seconds, each read counted (``_group_reads``): module docstring."""
+        ``READ_PAUSE`` seconds, each read counted (``_group_reads``): module docstring. The id of each group it
+        returns, led or joined, is kept in ``_assembled`` (the last 8): the step registers it a moment later."""
         keys = matchmaking.group_key_manager
-        ask, declare, read = matchmaking._request_join_group, keys.declare_averager, keys.get_averagers
+        ask, lead = matchmaking._request_join_group, matchmaking.leader_assemble_group
+        declare, read = keys.declare_averager, keys.get_averagers
+        self._assembled: deque[bytes] = deque(maxlen=8)  # the groups our matchmaking last returned (aggregate.py)
         last_read = -float("inf")
 
         async def ask_admitted(leader: Any) -> Any:
-            return await ask(leader) if self.admits(leader) else None
+            group = await ask(leader) if self.admits(leader) else None
+            if group is not None:
+                self._assembled.append(group.group_id)
+            return group
+
+        async def lead_recorded(*args: Any, **kw: Any) -> Any:
+            group = await lead(*args, **kw)
+            if group is not None:
+                self._assembled.append(group.group_id)
+            return group
 
         async def declare_recorded(group_key: str, peer_id: Any, expiration_time: float, *args: Any, **kw: Any) -> Any:
             self._declared_until = max(self._declared_until, expiration_time)
@@ -215,7 +228,7 @@ class MatchmakingMixin:
             self._group_reads += 1
             return await read(*args, **kw)
 
-        matchmaking._request_join_group = ask_admitted
+        matchmaking._request_join_group, matchmaking.leader_assemble_group = ask_admitted, lead_recorded
         keys.declare_averager, keys.get_averagers = declare_recorded, read_paced
         self.__dict__["_matchmaking_"] = matchmaking
 
