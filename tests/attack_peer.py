@@ -2,8 +2,9 @@
 
 Usage:   python tests/attack_peer.py ATTACK SCALE run_peer-args...
          ATTACK negate:  it sends -SCALE x its Δ (e.g. 1000);
-                alie:    it sends Δ - SCALE x |Δ|, coordinate by coordinate: "a little is enough" (a shift to one side
-                         along the spread, its own Δ standing in for the honest mean and spread it cannot see);
+                alie:    it sends Δ - SCALE x mean |Δ| of each tensor: "a little is enough" (every coordinate shifted
+                         one way by about the spread, its own Δ standing in for the honest mean and spread it cannot
+                         see);
                 weight:  it sends its Δ with SCALE x its tokens as the all-reduce weight, while its gather payload
                          declares the true tokens (e.g. 1e6);
                 lie:     as a reducer it returns -SCALE x the true average of its slice, to every member;
@@ -57,7 +58,7 @@ def install(attack: str, scale: float) -> None:
         honest = engine.pseudo_gradient
 
         def shifted(anchor, params):  # type: ignore[no-untyped-def]
-            return [d - scale * d.abs() for d in honest(anchor, params)]
+            return [d - scale * d.abs().mean() for d in honest(anchor, params)]
 
         engine.pseudo_gradient = shifted
     elif attack == "weight":

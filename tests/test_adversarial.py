@@ -112,7 +112,7 @@ def all_honest(tmp_path_factory) -> dict:
 ATTACKS = [  # the 1e6 x wire weight attacker of docs/trust.md runs in test_averager.py (the same reducer path)
     ("negate", "1000"),  # -1000 x its Δ
     ("negate", "1.9"),  # -1.9 x its Δ: inside the norm bound (swarm.aggregation_clip 2), against the others' direction
-    ("alie", "1"),  # Δ - |Δ|: inside the norm bound, with the others' direction, below their median almost everywhere
+    ("alie", "1"),  # Δ - mean |Δ|: inside the norm bound, with the others' direction, below their median almost always
     ("lie", "100"),  # a reducer returning -100 x its slice's average
     ("hijack", "1000"),  # a signed payload claiming a state 1000 rounds ahead
     ("garbage", "1"),  # malformed gather payloads, garbage under every DHT key the peers read
