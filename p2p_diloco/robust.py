@@ -77,6 +77,7 @@ Determinism: the same inputs in the same order give bitwise the same output on o
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -222,7 +223,7 @@ def judge_against_median(parts: Sequence[torch.Tensor]) -> list[Judgement]:
     known = [r for r in raw if r is not None]
     if len(known) < 3:
         return [Judgement(c, 0.0) for c in cosines]
-    typical = [_midpoint_median([r[side] for r in known]) for side in (0, 1)]
+    typical = [statistics.median(r[side] for r in known) for side in (0, 1)]  # the midpoint median
     return [
         Judgement(c, 0.0 if r is None else _agreeing(r[0] - typical[0], r[1] - typical[1]))
         for c, r in zip(cosines, raw, strict=True)
@@ -240,11 +241,6 @@ def _side_skews(x: torch.Tensor, sides: list[tuple[torch.Tensor, torch.Tensor]])
             return None
         per_side.append((above - below) / (above + below))
     return per_side[0], per_side[1]
-
-
-def _midpoint_median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
 
 
 def _agreeing(a: float, b: float) -> float:

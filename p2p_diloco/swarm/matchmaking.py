@@ -205,17 +205,16 @@ class MatchmakingMixin:
         self._assembled: deque[bytes] = deque(maxlen=8)  # the groups our matchmaking last returned (aggregate.py)
         last_read = -float("inf")
 
-        async def ask_admitted(leader: Any) -> Any:
-            group = await ask(leader) if self.admits(leader) else None
+        def remembered(group: Any) -> Any:
             if group is not None:
                 self._assembled.append(group.group_id)
             return group
 
+        async def ask_admitted(leader: Any) -> Any:
+            return remembered(await ask(leader) if self.admits(leader) else None)
+
         async def lead_recorded(*args: Any, **kw: Any) -> Any:
-            group = await lead(*args, **kw)
-            if group is not None:
-                self._assembled.append(group.group_id)
-            return group
+            return remembered(await lead(*args, **kw))
 
         async def declare_recorded(group_key: str, peer_id: Any, expiration_time: float, *args: Any, **kw: Any) -> Any:
             self._declared_until = max(self._declared_until, expiration_time)
