@@ -25,7 +25,9 @@ optional ``client_mode``
 optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wait`` (the waits the host's
 ``group_wait`` stands for, one after the other, each from when it is first asked: ``s`` seconds, answered as the time
 left, or ``[s, real]``: said to be ``s`` seconds but over after ``real``, as an estimate of a mate's round end that
-comes early; then 0), optional ``ahead`` (``[after, round, checksum]``: the host's ``swarm_ahead`` says the swarm holds
+comes early; then 0), optional ``stop_after`` (the host's ``stopping`` says yes from that many seconds into each
+REDUCE: a Ctrl-C while it looks for a group), optional
+``ahead`` (``[after, round, checksum]``: the host's ``swarm_ahead`` says the swarm holds
 that state from ``after`` seconds after it is first asked; before, and without it, nothing), ``out_dir``. The
 RESULT's ``looking`` counts the calls of the host's ``looking``, its ``silent`` lists the members the host's ``silent``
 was told of (so far); its ``in_place`` says whether the
@@ -298,6 +300,9 @@ def main() -> None:
     if cfg.get("expected_members") is not None:
         averager.expected_members = lambda: int(cfg["expected_members"])
     averager.looking = lambda: looking.__setitem__(0, looking[0] + 1)
+    reduce_began = [math.inf]
+    if cfg.get("stop_after") is not None:
+        averager.stopping = lambda: time.monotonic() - reduce_began[0] >= float(cfg["stop_after"])
     silent: list[str] = []  # the members the host was told did not answer a failed attempt's vote (Membership.suspect)
     averager.silent = silent.extend
     if cfg.get("ahead") is not None:
@@ -327,7 +332,7 @@ def main() -> None:
     for line in sys.stdin:
         cmd, *args = line.split()
         if cmd == "REDUCE":
-            t0 = time.monotonic()
+            t0 = reduce_began[0] = time.monotonic()
             weight = float(args[0])
             payload = GatherPayload(RoundTag(rnd, checksum), int(weight))
             if "gather_garbage" in cfg:  # what a broken or hostile peer could send instead of a payload

@@ -567,6 +567,23 @@ def test_alone_peer_returns_local_values_quickly(lone_peer):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
+def test_a_stop_asked_for_while_looking_for_a_group_ends_the_reduce_within_a_poll(spawn):
+    """A peer whose host expects mates that never come would look and retry until round_deadline (60 s here); a stop
+    asked for 2 s into the reduce (Ctrl-C) ends it within a quarter of matchmaking_time: its own Δ, no new attempt."""
+    averager = {**FAST, "matchmaking_time": 4.0}
+    peer = spawn("stopped", initial_peers=[], averager=averager, seed=7, expected_members=3, stop_after=2.0)
+    peer.expect("READY", 60)
+    peer.send("REDUCE 1.0")
+    res = peer.expect("RESULT", 60)
+    info = res["info"]
+    assert not info["complete"] and info["attempts"] == 1, info
+    assert "a stop was requested" in info["reason"], info
+    assert 2.0 <= res["seconds"] < 2.0 + averager["matchmaking_time"] / 4 + 2.0, res
+    assert all(torch.equal(a, b) for a, b in zip(peer.result(), make_grads(7, SHAPES), strict=True))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
 def test_late_joiner_loads_the_donor_state_exactly(spawn):
     meta = {"outer_step": 17, "checksum": "ab12cd34", "lr": 0.7}
     donor, joiner = start_swarm(spawn, 2, per_peer={0: {"state_meta": meta}})

@@ -238,6 +238,9 @@ class PseudoGradAverager(
         # host side: whether this peer is sure to be the only one of the run that averages now (e.g.
         # Membership.alone); a round is then local at once, without a matchmaking that cannot succeed
         self.alone: Callable[[], bool] | None = None
+        # host side: whether a stop was requested (e.g. the peer's Ctrl-C event's is_set): a reduce still looking for
+        # a group gives up (its all-reduce, once begun, still ends: the group's mean needs our part)
+        self.stopping: Callable[[], bool] | None = None
         self._closing = threading.Event()
         self._state_thread = _state_thread_of(self._outer_pipe)  # hivemind's, serving our state: shutdown joins it
         if start:

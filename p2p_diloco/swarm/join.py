@@ -229,9 +229,8 @@ class Membership(Announcements):
         self._looking_since: float | None = None  # when this round's exchange began looking for a group (DHT time)
         # whether our averager groups with a peer (PseudoGradAverager.admits: not banned); others are never expected
         self.admits: Callable[[str], bool] = lambda peer: True
-        # members of a failed attempt that did not answer its vote -> when (DHT time): suspects from our next round on
-        # (``suspect``), and the suspects themselves, expected again once they say when they are ready (``_readiness``)
-        self._silent: dict[str, float] = {}
+        # members of a failed attempt that did not answer its vote -> when (DHT time) we were told (``suspect``):
+        # expected again once they say when they are ready after that (``_readiness``)
         self._suspects: dict[str, float] = {}
         self._value: dict[str, Any] | None = None  # what we announced last (refresh stores it again)
         self._stored_at = -math.inf  # when (monotonic) we last stored it
@@ -278,8 +277,6 @@ class Membership(Announcements):
         not stored again (the mates' waits are at least half of matchmaking_time)."""
         revised = self._looking_since is None  # a revision of this round's estimate (not the first since looking)
         self._looking_since = None  # a new round's inner steps: not looking for a group
-        self._suspects.update(self._silent)
-        self._silent = {}
         if patience is not None and math.isfinite(patience):
             self.patience = min(0.5 * self.cfg.swarm.round_deadline, max(0.0, patience))
         if revised and abs(ready_at - self.ready_at) <= self.cfg.swarm.matchmaking_time / 8:
@@ -312,15 +309,17 @@ class Membership(Announcements):
         self._store(value, wait=False)
 
     def suspect(self, peers: list[str]) -> None:
-        """``peers`` did not answer a failed attempt's vote (the averager's ``silent``): from our next round on they
-        are not expected until they announce a ``ready_at`` after now. A live one does within a round (it says when
-        its next round ends, and that it is looking); a dead one's announcement reads as live for up to LIVE
-        seconds, with a stale ``ready_at`` that reads as "still finishing its exchange", and every round waited for
-        it until our patience ran out (measured: two rounds of ~18 s after a member was SIGKILLed mid all-reduce).
-        Not in the retry of the same round: a survivor that has not said it is looking again yet looks the same."""
+        """``peers`` did not answer a failed attempt's vote (the averager's ``silent``): from now on, the retry of
+        this round included, they are not expected until they announce a ``ready_at`` after now. A dead one's
+        announcement reads as live for up to LIVE seconds, with a stale ``ready_at`` that reads as "still finishing
+        its exchange": waited for, it held every round open until our patience ran out (measured: two rounds of
+        ~18 s after a member was SIGKILLed mid all-reduce; then, suspected from the next round on only, the retry
+        of the round it died in, 18 s). A live one says when it is ready again within the round (looking, or its
+        next round's end); if it was only slow to answer, the retry may assemble without it (it is no longer
+        counted on, though it may still join): it loses this round, where a dead one cost every survivor's."""
         now = get_dht_time()
         for peer in peers:
-            self._silent[peer] = now
+            self._suspects[peer] = now
 
     def finish(self) -> bool:
         """Announce that our run is over (we still vouch and, while we linger, serve our state): the mates' matchmaking
@@ -510,7 +509,7 @@ class Membership(Announcements):
         for peer, v in others.items():
             if v.get("fingerprint") != self.fingerprint or not _averages(v):
                 continue
-            silent_since = self._silent.get(peer, self._suspects.get(peer))
+            silent_since = self._suspects.get(peer)
             if silent_since is not None and v.get("ready_at", 0.0) <= silent_since:
                 continue
             tags = _tags_of(v)

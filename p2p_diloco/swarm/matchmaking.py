@@ -5,7 +5,8 @@ Inputs:  the host's hooks, set by the training peer (Membership, join.py; each N
          to hold the matchmaking open for them), ``group_wait`` (seconds until the next peer will be ready when none
          is now), ``looking`` (say that we are ready and looking now), ``alone`` (sure that no other peer of the run
          averages now), ``swarm_ahead`` (the swarm's state when it is past ours by more than max_staleness),
-         ``reachable_members`` (client mode: the live peers that accept calls); ``min_group_size``,
+         ``reachable_members`` (client mode: the live peers that accept calls), ``stopping`` (a stop was asked for:
+         look no more); ``min_group_size``,
          ``max_round_peers``, ``matchmaking_time``, ``round_deadline``; ``authorized`` (a closed run's peer ids) and
          the bans.
 Output:  for reduce.py: ``_wait_for_group`` (waited, and may look now?), ``_left_behind``, ``_alone``,
@@ -100,7 +101,7 @@ class MatchmakingMixin:
         when the swarm has left ``mine`` behind (``_left_behind``). The wait counts as matchmaking. Whether it
         waited, and may look for a group now."""
         began, expected = time.monotonic(), 0.0
-        while not self._closing.is_set():
+        while not self._closing.is_set() and not self._stopping():
             if expected and self._left_behind(mine, info):
                 break
             delay = self._ask_group_wait()
@@ -116,7 +117,7 @@ class MatchmakingMixin:
             return False
         info.matchmaking_seconds += waited
         notes.append(f"waited {waited:.1f}s for the next peer to be ready (expected in {expected:.1f}s)")
-        return not self._closing.is_set() and info.ahead is None
+        return not self._closing.is_set() and not self._stopping() and info.ahead is None
 
     def _left_behind(self, mine: RoundTag | None, info: ReduceInfo) -> bool:
         """Whether the swarm holds a state too far past ``mine`` for our Δ to count (``swarm_ahead``; it goes to
@@ -140,6 +141,10 @@ class MatchmakingMixin:
         """Whether a mate is expected at this round's matchmaking (``expected_members`` counts another peer than us):
         an attempt that found no group is then tried again, time permitting (reduce.py). False when not known."""
         return int(ask_host(self.expected_members, "the expected members", 1)) > 1
+
+    def _stopping(self) -> bool:
+        """Whether the host asked this peer to stop (``stopping``): no group is looked for from then on."""
+        return bool(ask_host(self.stopping, "whether this peer is stopping", False))
 
     def _alone(self) -> bool:
         """Whether we are sure no other peer of the run averages now (``alone``); False when not known."""

@@ -206,6 +206,7 @@ class TrainingPeer:
         self.averager.group_window = members.group_window
         self.averager.silent = members.suspect
         self.averager.alone = members.alone
+        self.averager.stopping = self.opts.stop.is_set
         members.admits = self.averager.admits
         self.averager.averaged_with = lambda gathered, dropped: members.standing.count(
             counted_members(gathered.payloads, self.peer_id, dropped)

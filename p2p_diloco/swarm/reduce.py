@@ -22,9 +22,12 @@ Failure: ``ValueError`` for non-finite input, weight <= 0 or wrong shapes, befor
          a mate that came late, or a leader that assembled a group we had given up on, is then met in the next
          attempt; before, the peer took a local step and lost the round); any retry only while
          ``max_reduce_attempts`` and ``round_deadline`` leave room for a whole attempt and the swarm has not left
-         this peer behind (``_left_behind``). A client-mode peer that no live peer of the run can lead
-         (``reachable_members`` says 0) returns the local result at once, with ``NO_REACHABLE_MEMBER`` as the
-         reason; a peer sure to be the only one of the run that averages (``alone``), with ``ALONE``.
+         this peer behind (``_left_behind``). Once the host asks us to stop (``stopping``: Ctrl-C, SIGTERM), an
+         attempt still matchmaking is given up within a quarter of matchmaking_time and no other is made; one whose
+         all-reduce began runs to its end (the group's mean needs our part). A client-mode peer that no live peer
+         of the run can lead (``reachable_members`` says 0) returns the local result at once, with
+         ``NO_REACHABLE_MEMBER`` as the reason; a peer sure to be the only one of the run that averages
+         (``alone``), with ``ALONE``.
 
 Timing: ``matchmaking_seconds`` runs from ``step`` to the start of ``_aggregate_with_group`` in the averager
 process (the group is assembled; a group smaller than the expected size forms only at the leader's
@@ -64,6 +67,11 @@ NO_REACHABLE_MEMBER = (
 )
 
 ALONE = "alone: no other peer of the run averages now (its members were read: none live with these settings)"
+STOPPING = "a stop was requested: no group looked for"
+
+
+class _Stopping(Exception):
+    """The host asked us to stop while the step was still matchmaking: the attempt is given up."""
 
 
 class _NoGroupIsNotAnError(logging.Filter):
@@ -117,6 +125,9 @@ class ReduceMixin:
             self._say_looking()
             self._wait_for_group(start + self.round_deadline - attempt_budget, info, notes, mine)
         while info.ahead is None and info.attempts < self.max_reduce_attempts:
+            if self._stopping():
+                notes.append(f"{STOPPING} before attempt {info.attempts + 1}")
+                break
             if info.attempts and time.monotonic() + attempt_budget > start + self.round_deadline:
                 notes.append(f"no time for attempt {info.attempts + 1} within round_deadline={self.round_deadline}s")
                 break
@@ -210,7 +221,8 @@ class ReduceMixin:
     def _result_of(self, control: Any, deadline: float) -> Any:
         """The step's result, by ``deadline`` (monotonic; TimeoutError after it). While it is still matchmaking, say
         every quarter of matchmaking_time that we are looking (``looking``): a mate that reads our announcement then
-        still expects us (Membership._readiness), where a ``ready_at`` gone stale would read as averaging since."""
+        still expects us (Membership._readiness), where a ``ready_at`` gone stale would read as averaging since. A stop
+        the host asked for (``stopping``) while it is still matchmaking ends it (``_Stopping``)."""
         while True:
             try:
                 return control.result(timeout=max(0.0, min(self.matchmaking_time / 4, deadline - time.monotonic())))
@@ -218,6 +230,8 @@ class ReduceMixin:
                 if time.monotonic() >= deadline:
                     raise
                 if not control.began_allreduce:
+                    if self._stopping():
+                        raise _Stopping(STOPPING) from None
                     self._say_looking()
 
     def _count_since(self, info: ReduceInfo, totals: torch.Tensor, reads: int) -> None:
