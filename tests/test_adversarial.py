@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -62,11 +61,8 @@ def run_swarm(spawn, out: Path, attack: tuple[str, str] | None, late_joiner: boo
         joined = {"round": int(match.group(1)), "checksum": match.group(2), "output": late.describe()}
         honest.append(late)
     finish(honest, timeout=240)
-    for third in thirds:
-        try:  # an attacker the others stopped grouping with is still waiting for a group: its own run is not the test
-            third.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            third.stop(grace=5)
+    for third in thirds:  # an attacker the others stopped grouping with may still wait for a group: not the test
+        third.stop(grace=3)  # a lone attacker reads a DHT whose other nodes left: each read waits dht_timeout
     attacker_output = "\n".join(third.describe() for third in thirds)
     if attack:  # the attacker got as far as training (its attack is what the honest peers met)
         assert "joined at round" in attacker_output, attacker_output[-3000:]

@@ -55,7 +55,15 @@ from p2p_diloco.swarm.validators import MAX_STATES, States, fingerprint_key, own
 __all__ = ["Announcements", "Heal", "Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
 
 log = logging.getLogger("p2p_diloco.join")
-START_POLL_MAX = 10.0  # the most seconds between two reads of the run's members while round 1 waits for its peers
+POLL_MAX = 10.0  # the most seconds between two reads of the run's members by a peer that waits on the others
+
+
+def poll_pause(peers: int) -> float:
+    """Seconds between two reads of the run's members by a peer waiting on its ``peers`` mates (round 1's start, the
+    heal and the linger at the run's end): every read returns every peer's announcement, so n peers polling at a
+    fixed rate cost the DHT n^2 records a poll (64 peers at 2 Hz held the scale harness's start for over 600 s,
+    measured): 0.5 s, 1/16 s more a peer, at most POLL_MAX."""
+    return min(POLL_MAX, 0.5 + max(0, peers) / 16)
 
 
 @dataclass
@@ -678,10 +686,7 @@ def wait_for_start_peers(members: Membership, cfg: Config, tag: RoundTag, stop: 
             log.info("%d of swarm.start_peers=%d peers are up: starting", seen, want)
             return
         announced = announced or members.announce(tag)  # once stored, the heartbeat keeps it fresh
-        # every read returns every peer's announcement: n peers polling at a fixed rate cost the DHT n^2 records a
-        # poll (64 peers at 2 Hz held the scale harness's start for over 600 s, measured), so the more are up, the
-        # slower each one asks
-        stop.wait(min(START_POLL_MAX, 0.5 + seen / 16))
+        stop.wait(poll_pause(seen))  # the more are up, the slower each one asks
     if want > 1:
         log.warning(
             "fewer than swarm.start_peers=%d peers after %.0fs (at most %d read as up at once): starting anyway",

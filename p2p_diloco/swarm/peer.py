@@ -56,7 +56,7 @@ from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
 from p2p_diloco.swarm.identity import Admission, Identity, read_authorized_keys
-from p2p_diloco.swarm.join import Heal, Membership, PeerOptions, first_state, wait_for_start_peers
+from p2p_diloco.swarm.join import POLL_MAX, Heal, Membership, PeerOptions, first_state, poll_pause, wait_for_start_peers
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.standing import counted_members
 from p2p_diloco.swarm.sync import StateSync
@@ -66,7 +66,6 @@ from p2p_diloco.trackers import Trackers, require
 __all__ = ["PeerOptions", "RoundsFailing", "StopRequested", "TrainingPeer"]
 
 log = logging.getLogger("p2p_diloco.peer")
-LINGER_POLL = 2.0  # seconds between reads of the run's members while a done peer lingers (more with more peers)
 
 
 class _Pace:
@@ -97,8 +96,6 @@ class _Pace:
 
 class TrainingPeer:
     """One training peer: ``run()`` joins, trains until ``train.rounds`` or a stop request, and cleans up."""
-
-    FINAL_HEAL_PAUSE = 2.0  # seconds between looks for a split while mates finish their last round
 
     def __init__(self, cfg: Config, opts: PeerOptions, data: DataPipeline | None = None) -> None:
         """``data``: the run's pipeline when the caller built it already (peers of one process share it), else built
@@ -369,14 +366,14 @@ class TrainingPeer:
 
     def _linger(self) -> None:
         """Serve the final state for swarm.linger_seconds more, or until every live mate is done on the same state
-        (Membership.served_out, read every LINGER_POLL seconds and more as the run has more peers): a run whose peers
-        end together then ends at once (measured: the scale harness's runs of 3 and 4 peers spent 20 of their ~40 s
-        in lingering)."""
+        (Membership.served_out, read every ``poll_pause`` seconds): a run whose peers end together then ends at once
+        (measured: the scale harness's runs of 3 and 4 peers spent 20 of their ~40 s in lingering; then, polled every
+        2 s, 2 of the ~20 s of test_adversarial's runs)."""
         linger, final = self.cfg.swarm.linger_seconds, self.sync.tag()
         log.info("done; serving the final state to peers for up to %.0fs more", linger)
         started = time.monotonic()
         while (left := started + linger - time.monotonic()) > 0:
-            pause = LINGER_POLL + len(self.members.mates(linger)) / 16  # the last read; the more peers, the fewer reads
+            pause = poll_pause(len(self.members.mates(linger)))  # the mates of the last read
             if self.opts.stop.wait(min(pause, left)):
                 return
             if self.members.served_out(final):
@@ -447,7 +444,7 @@ class TrainingPeer:
                     self._checkpoint()
                     continue
             elif settled:
-                held = self.members.held(max_age=2 * self.FINAL_HEAL_PAUSE)  # from the read canonical() just made
+                held = self.members.held(max_age=5.0)  # from the read canonical() just made
                 log.info("the run's end: no mate still finishing; ours is %s, the others read hold %s", mine,
                          ", ".join(f"{tag} x{n}" for tag, n in held.items()) or "nothing")  # fmt: skip
                 break
@@ -455,7 +452,7 @@ class TrainingPeer:
                 log.warning("the run's end: mates still finish their last round after %.0fs; not waiting longer",
                             self.cfg.swarm.round_deadline)  # fmt: skip
                 break
-            self.opts.stop.wait(self.FINAL_HEAL_PAUSE)
+            self.opts.stop.wait(poll_pause(len(self.members.mates(2 * POLL_MAX))))  # the mates of the last read
         return left
 
     def _write_final(self, healed_from: RoundTag | None) -> None:
