@@ -510,23 +510,6 @@ def test_a_peer_the_swarm_has_left_behind_stops_waiting_and_looks_for_no_group(s
     assert second["seconds"] < 1.0 and second["looking"] == first["looking"], second  # it did not say it was looking
 
 
-@pytest.mark.swarm
-@pytest.mark.timeout(60)
-def test_a_peer_the_swarm_leaves_behind_while_it_looks_for_a_group_gives_the_attempt_up(spawn):
-    """The swarm moves past a peer while its attempt is matchmaking (a joiner that came in the run's last round, its
-    mates done): asked once per matchmaking_time, it gives the attempt up and resyncs, rather than wait out the
-    attempt (window + matchmaking_time + request_timeout = 11 s here; seen: 35 s in test_adversarial's late joiner)."""
-    averager = {**FAST, "matchmaking_time": 4.0, "request_timeout": 3.0}
-    (peer,) = start_swarm(spawn, 1, expected_members=3, ahead=[2.0, 5, "cccc"], averager=averager)
-    peer.send("REDUCE 1.0")
-    res = peer.expect("RESULT", 40)
-    info = res["info"]
-    assert not info["complete"] and info["attempts"] == 1 and info["ahead"] == {"round": 5, "checksum": "cccc"}, info
-    assert "the swarm holds round 5 (cccc), past this peer's round 0 (start)" in info["reason"], info
-    assert res["seconds"] < 8.0, res  # a check 4 s into the attempt; the attempt itself would end after 11 s
-    assert_close(peer.result(), make_grads(0, SHAPES))
-
-
 ODD_PAYLOADS = {
     "garbage": {"gather_garbage": {"v": 1, "round": "three", "checksum": ["x"], "tokens": -1}},
     # not signed by the key its peer id stands for: what a leader forging a member's payload would send

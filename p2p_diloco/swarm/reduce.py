@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.outer import is_finite
-from p2p_diloco.protocol import Gathered, GatherPayload, RoundTag
+from p2p_diloco.protocol import Gathered, GatherPayload
 from p2p_diloco.rounds import ReduceInfo
 from p2p_diloco.swarm.matchmaking import ask_host
 
@@ -70,9 +70,8 @@ ALONE = "alone: no other peer of the run averages now (its members were read: no
 STOPPING = "a stop was requested: no group looked for"
 
 
-class _GivenUp(Exception):
-    """The step was still matchmaking when the host asked us to stop, or when the swarm left us behind: the attempt
-    is given up."""
+class _Stopping(Exception):
+    """The host asked us to stop while the step was still matchmaking: the attempt is given up."""
 
 
 class _NoGroupIsNotAnError(logging.Filter):
@@ -133,7 +132,7 @@ class ReduceMixin:
                 notes.append(f"no time for attempt {info.attempts + 1} within round_deadline={self.round_deadline}s")
                 break
             info.attempts += 1
-            averaged, why, retry = self._attempt(grads, float(weight), gather, info, mine)
+            averaged, why, retry = self._attempt(grads, float(weight), gather, info)
             if averaged is not None:
                 info.complete, info.reason = True, "; ".join(notes)
                 ask_host(self.averaged_with, "recording whom we averaged with", None, info.gathered, info.dropped)
@@ -162,7 +161,7 @@ class ReduceMixin:
         return wire
 
     def _attempt(
-        self, grads: list[torch.Tensor], weight: float, gather: Any, info: ReduceInfo, mine: RoundTag | None
+        self, grads: list[torch.Tensor], weight: float, gather: Any, info: ReduceInfo
     ) -> tuple[list[torch.Tensor] | None, str, bool]:
         """One step on freshly copied buffers -> (averaged or None, why not, whether a retry makes sense)."""
         if not self.is_alive():
@@ -179,7 +178,7 @@ class ReduceMixin:
         find_timeout = window + self.matchmaking_time + self.request_timeout_s
         try:
             control = self.step(weight=weight, gather=gather, timeout=find_timeout, allow_retries=False, wait=False)
-            out = self._result_of(control, time.monotonic() + find_timeout + self.allreduce_timeout + 5.0, mine, info)
+            out = self._result_of(control, time.monotonic() + find_timeout + self.allreduce_timeout + 5.0)
         except BaseException as e:  # hivemind may raise asyncio.CancelledError
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
@@ -219,15 +218,11 @@ class ReduceMixin:
         if peers:
             ask_host(self.silent, "reporting silent members", None, peers)
 
-    def _result_of(self, control: Any, deadline: float, mine: RoundTag | None, info: ReduceInfo) -> Any:
+    def _result_of(self, control: Any, deadline: float) -> Any:
         """The step's result, by ``deadline`` (monotonic; TimeoutError after it). While it is still matchmaking, say
         every quarter of matchmaking_time that we are looking (``looking``): a mate that reads our announcement then
         still expects us (Membership._readiness), where a ``ready_at`` gone stale would read as averaging since. A stop
-        the host asked for (``stopping``) while it is still matchmaking ends it (``_GivenUp``), and so does, asked
-        once per matchmaking_time, a swarm that has left ``mine`` behind (``_left_behind``, into ``info.ahead``):
-        measured before, a peer that joined in a run's last round looked for a group for 35 s after its mates were
-        done with it, and the mates' end-of-run heal waited for it all that time."""
-        asked = time.monotonic()
+        the host asked for (``stopping``) while it is still matchmaking ends it (``_Stopping``)."""
         while True:
             try:
                 return control.result(timeout=max(0.0, min(self.matchmaking_time / 4, deadline - time.monotonic())))
@@ -236,11 +231,7 @@ class ReduceMixin:
                     raise
                 if not control.began_allreduce:
                     if self._stopping():
-                        raise _GivenUp(STOPPING) from None
-                    if time.monotonic() - asked >= self.matchmaking_time:
-                        asked = time.monotonic()
-                        if self._left_behind(mine, info):
-                            raise _GivenUp(f"the swarm holds {info.ahead}, past this peer's {mine}") from None
+                        raise _Stopping(STOPPING) from None
                     self._say_looking()
 
     def _count_since(self, info: ReduceInfo, totals: torch.Tensor, reads: int) -> None:
