@@ -26,9 +26,9 @@ optional ``rules`` (protocol.RoundRules keyword arguments), optional ``group_wai
 ``group_wait`` stands for, one after the other, each from when it is first asked: ``s`` seconds, answered as the time
 left, or ``[s, real]``: said to be ``s`` seconds but over after ``real``, as an estimate of a mate's round end that
 comes early; then 0), optional ``stop_after`` (the host's ``stopping`` says yes from that many seconds into each
-REDUCE: a Ctrl-C while it looks for a group), optional
-``ahead`` (``[after, round, checksum]``: the host's ``swarm_ahead`` says the swarm holds
-that state from ``after`` seconds after it is first asked; before, and without it, nothing), ``out_dir``. The
+REDUCE: a Ctrl-C while it looks for a group), optional ``ahead`` (``[after, round, checksum]``: the host's
+``swarm_ahead`` says the swarm holds that state from ``after`` seconds after it is first asked; before, and without
+it, nothing), ``out_dir``. The
 RESULT's ``looking`` counts the calls of the host's ``looking``, its ``silent`` lists the members the host's ``silent``
 was told of (so far); its ``in_place`` says whether the
 result is the averager's shared buffers themselves.

@@ -52,7 +52,16 @@ from p2p_diloco.swarm.standing import Standing
 from p2p_diloco.swarm.sync import StateSync, Vouches
 from p2p_diloco.swarm.validators import MAX_STATES, States, fingerprint_key, owner_subkey, settings_key
 
-__all__ = ["Announcements", "Heal", "Membership", "PeerOptions", "first_state", "wait_for_start_peers"]
+__all__ = [
+    "POLL_MAX",
+    "Announcements",
+    "Heal",
+    "Membership",
+    "PeerOptions",
+    "first_state",
+    "poll_pause",
+    "wait_for_start_peers",
+]
 
 log = logging.getLogger("p2p_diloco.join")
 POLL_MAX = 10.0  # the most seconds between two reads of the run's members by a peer that waits on the others

@@ -138,6 +138,8 @@ class ReduceMixin:
                 ask_host(self.averaged_with, "recording whom we averaged with", None, info.gathered, info.dropped)
                 return averaged, info
             notes.append(f"attempt {info.attempts}: {why}")
+            if self._stopping():  # the loop's first check ends it, without the DHT reads below (slow once mates left)
+                continue
             # nobody came, but peers will be ready later (they began their round while we looked): wait, retry
             if self._left_behind(mine, info):
                 break
