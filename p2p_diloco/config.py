@@ -236,7 +236,7 @@ class SwarmConfig:
     max_failed_rounds: int = 10  # failed rounds in a row (non-finite or an error) before checkpoint + exit 1
     rollback_after: int = 3  # non-finite rounds in a row from one outer state before rolling back from it
     # A downloaded outer state is adopted only when peers of this much standing (or all there are, when less) vouch
-    # for its (round, checksum) in their signed announcements (swarm/join.py), or it equals this peer's own. A key
+    # for its (round, checksum) in their signed announcements (swarm/membership.py), or it equals this peer's own. A key
     # this peer has averaged with weighs 1, a stranger 1/4 (every key 1 until it averaged with a live one: standing.py).
     state_quorum: int = 2
     max_state_downloads: int = 4  # states' worth one peer may download from us per minute (a piece: its share)

@@ -8,7 +8,7 @@ Inputs:  the monitor's DHT node; the run's Config (``run_monitor --config`` and 
 Output:  ``latest`` -> (the latest :class:`StateSample` or None, why the last attempt failed or None), which
          monitor.py puts into every summary (``sample``, ``sample_error``). A sample is made from the furthest state
          past round 0 that ``swarm.state_quorum`` peers (or all there are, when fewer) vouch for in their signed
-         announcements (swarm/join.py ``Announcements``), downloaded through the peers' own path
+         announcements (swarm/announcements.py), downloaded through the peers' own path
          (swarm/sync.py ``fetch_vouched``, swarm/download.py: every part checked against the vouched checksum), so it
          shows a state the swarm vouches for, not what one peer claims. Its text is the greedy continuation
          (generate.py, temperature 0: the same state and prompt give the same text anywhere) of the prompt by up to
@@ -50,9 +50,9 @@ from p2p_diloco.model import build_model
 from p2p_diloco.monitor import DEFAULT_EVERY, DEFAULT_PROMPT, DEFAULT_TOKENS
 from p2p_diloco.outer import is_finite
 from p2p_diloco.protocol import RoundTag
+from p2p_diloco.swarm.announcements import Announcements
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError
-from p2p_diloco.swarm.join import Announcements
 from p2p_diloco.swarm.sync import fetch_vouched
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_PROMPT", "DEFAULT_TOKENS", "StateSample", "StateSampler"]

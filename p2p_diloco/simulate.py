@@ -28,7 +28,7 @@ Speeds (diloco/fedavg): ``--speeds`` gives each worker's inner steps per simulat
 simulator's clock: with ``inner.round_seconds`` a round takes round_seconds and worker k takes round_seconds x
 speed_k steps (at least 1, at most inner.steps), its lr following the round's clock as a swarm peer's does
 (engine.Worker.train_inner). With fixed H and equal speeds a round takes H / speed seconds. With fixed H and
-unequal speeds nobody waits for a slower worker, as no swarm peer does (join.Membership.expected_members): worker k
+unequal speeds nobody waits for a slower worker, as no swarm peer does (readiness.Readiness.expected_members): worker k
 is ready H / speed_k seconds after it started its round; a group forms as soon as two workers are ready, with every
 worker ready at that moment (a worker ready alone waits for the next one, as a peer does: ``wait_for_group``); each
 member's Δ counts as ``protocol.decide`` says (a straggler up to ``swarm.max_staleness`` rounds behind the group at

@@ -43,7 +43,7 @@ def install(attack: str, scale: float) -> None:
     from p2p_diloco.protocol import GatherPayload, RoundTag
     from p2p_diloco.state_parts import part_digests
     from p2p_diloco.swarm.averager import PseudoGradAverager
-    from p2p_diloco.swarm.join import Membership
+    from p2p_diloco.swarm.membership import Membership
     from p2p_diloco.swarm.peer import TrainingPeer
     from p2p_diloco.swarm.sync import StateSync
 

@@ -296,15 +296,15 @@ def main() -> None:
             return 0.0
         return current[0] - now
 
-    averager.group_wait = group_wait
+    averager.hooks.group_wait = group_wait
     if cfg.get("expected_members") is not None:
-        averager.expected_members = lambda: int(cfg["expected_members"])
-    averager.looking = lambda: looking.__setitem__(0, looking[0] + 1)
+        averager.hooks.expected_members = lambda: int(cfg["expected_members"])
+    averager.hooks.looking = lambda: looking.__setitem__(0, looking[0] + 1)
     reduce_began = [math.inf]
     if cfg.get("stop_after") is not None:
-        averager.stopping = lambda: time.monotonic() - reduce_began[0] >= float(cfg["stop_after"])
+        averager.hooks.stopping = lambda: time.monotonic() - reduce_began[0] >= float(cfg["stop_after"])
     silent: list[str] = []  # the members the host was told did not answer a failed attempt's vote (Membership.suspect)
-    averager.silent = silent.extend
+    averager.hooks.silent = silent.extend
     if cfg.get("ahead") is not None:
         after, ahead_round, ahead_checksum = cfg["ahead"]
         first_asked: list[float] = []
@@ -314,7 +314,7 @@ def main() -> None:
             first_asked[:] = first_asked or [time.monotonic()]
             return RoundTag(ahead_round, ahead_checksum) if time.monotonic() - first_asked[0] >= after else None
 
-        averager.swarm_ahead = swarm_ahead
+        averager.hooks.swarm_ahead = swarm_ahead
     rnd, checksum = cfg.get("tag") or [0, "start"]
     steps = []
     original_step = averager.step

@@ -19,7 +19,7 @@ from p2p_diloco.config import load_config
 from p2p_diloco.protocol import RoundTag
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.identity import Identity
-from p2p_diloco.swarm.join import Membership
+from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.records import publish_record, read_records
 from p2p_diloco.swarm.validators import owner_subkey
 
@@ -53,7 +53,7 @@ def test_a_lookup_that_never_answers_and_a_dead_dht_are_bounded(caplog, monkeypa
         expires = get_dht_time() + 60
         assert stranger.store(members.key, {"round": "[signature:x]"}, expires, subkey="evil")
 
-        plain = peer.get(members.key, latest=True, return_future=True)  # what join.py used to do, without a deadline
+        plain = peer.get(members.key, latest=True, return_future=True)  # as announcements.py reads, without a deadline
         with pytest.raises(concurrent.futures.TimeoutError):
             plain.result(timeout=2 * TIMEOUT)
         plain.cancel()

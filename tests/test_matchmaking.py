@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from p2p_diloco.swarm.matchmaking import ask_host
+from p2p_diloco.swarm.hooks import ask_host
 
 
 def test_a_hook_answers_with_its_arguments_and_a_missing_failing_or_odd_one_gives_the_fallback() -> None:

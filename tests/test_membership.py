@@ -1,5 +1,6 @@
-"""Membership (swarm/join.py) over real DHT nodes on 127.0.0.1: signed announcements, what they vouch for, and the
-difference between a peer that is there and one that left (its announcement no longer refreshed)."""
+"""Membership (swarm/membership.py, readiness.py, announcements.py) over real DHT nodes on 127.0.0.1: signed
+announcements, what they vouch for, and the difference between a peer that is there and one that left (its
+announcement no longer refreshed)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from p2p_diloco.config import load_config
 from p2p_diloco.protocol import RoundTag
 from p2p_diloco.swarm.dht import shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.identity import Identity
-from p2p_diloco.swarm.join import Membership
+from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.validators import make_validators
 
 pytestmark = pytest.mark.swarm

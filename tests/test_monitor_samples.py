@@ -47,7 +47,8 @@ class _Donors:
 
 
 class _Announcements:
-    """What monitor_samples reads from join.Announcements: the vouches, the others' announcements and settings."""
+    """What monitor_samples reads from Announcements (announcements.py): the vouches, the others' announcements and
+    settings."""
 
     def __init__(self, vouches: Vouches, others: dict | None = None) -> None:
         self.current, self.announced = vouches, others or {}

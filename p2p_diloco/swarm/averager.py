@@ -68,11 +68,12 @@ from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 
 from p2p_diloco.codec import get_codec
-from p2p_diloco.protocol import Gathered, RoundRules, RoundTag
+from p2p_diloco.protocol import RoundRules
 from p2p_diloco.rounds import ReduceInfo
 from p2p_diloco.swarm import limits as _limits  # noqa: F401 - caps the size of every message this process reads
 from p2p_diloco.swarm.aggregate import AggregateMixin
 from p2p_diloco.swarm.dht import children_ignore_sigint
+from p2p_diloco.swarm.hooks import HostHooks
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.in_thread import ThreadOrProcess
 from p2p_diloco.swarm.matchmaking import BAN_SECONDS, MatchmakingMixin
@@ -207,40 +208,8 @@ class PseudoGradAverager(
         # reads of the group key's declarations (DHT lookups of matchmaking) so far, counted as they are made in the
         # averager process (matchmaking.py: paced at READ_PAUSE), read per reduce by the host
         self._group_reads = torch.zeros(1, dtype=torch.int64).share_memory_()
-        # host side: how many peers (us included) will come to this round's matchmaking (e.g. the run's live
-        # members); a leader then assembles as soon as that many joined, instead of at matchmaking_time
-        self.target_group_size_cap = max_round_peers
-        self.expected_members: Callable[[], int] | None = None
-        # host side, client mode only: how many live peers of the run accept calls (can lead and reduce); at 0 a
-        # round is local at once, with the reason, instead of a matchmaking that cannot succeed
-        self.reachable_members: Callable[[], int | None] | None = None
-        # host side: seconds until the next peer of the run will be ready to average when none is now (e.g.
-        # Membership.group_wait); reduce waits that long before matchmaking, and again after a matchmaking that found
-        # nobody, within round_deadline, instead of averaging alone
-        self.group_wait: Callable[[], float] | None = None
-        # host side: say that this peer is ready to average now and looking for a group (e.g. Membership.looking);
-        # called as reduce begins and every quarter of matchmaking_time while it waits, so that mates ending their
-        # rounds meanwhile expect it, rather than reading its round's end as "averaging since"
-        self.looking: Callable[[], None] | None = None
-        # host side: the swarm's state when it is more than max_staleness rounds past the given tag (ours), else None
-        # (e.g. Membership.ahead); asked as reduce begins and while it waits: a peer the swarm has left behind looks
-        # for no group, since its Δ would not count and its joining would split its mates' group
-        self.swarm_ahead: Callable[[RoundTag], RoundTag | None] | None = None
-        # host side: how long this round's matchmaking stays open for the peers expected in it (e.g.
-        # Membership.group_window: until the last of them is ready); None: matchmaking_time
-        self.group_window: Callable[[], float] | None = None
-        # host side: told the members of a failed attempt that did not answer its vote (dead or cut off; e.g.
-        # Membership.suspect, so that later rounds do not wait for them)
-        self.silent: Callable[[list[str]], None] | None = None
-        # host side: told each complete all-reduce's gathered payloads and the senders our reducer dropped by direction
-        # (e.g. the peer's Standing, swarm/standing.py: whom we have averaged with)
-        self.averaged_with: Callable[[Gathered, dict[str, int]], None] | None = None
-        # host side: whether this peer is sure to be the only one of the run that averages now (e.g.
-        # Membership.alone); a round is then local at once, without a matchmaking that cannot succeed
-        self.alone: Callable[[], bool] | None = None
-        # host side: whether a stop was requested (e.g. the peer's Ctrl-C event's is_set): a reduce still looking for
-        # a group gives up (its all-reduce, once begun, still ends: the group's mean needs our part)
-        self.stopping: Callable[[], bool] | None = None
+        self.target_group_size_cap = max_round_peers  # the most members one round's matchmaking assembles
+        self.hooks = HostHooks()  # what the host (the training peer) tells us about the run (hooks.py)
         self._closing = threading.Event()
         self._state_thread = _state_thread_of(self._outer_pipe)  # hivemind's, serving our state: shutdown joins it
         if start:

@@ -1,7 +1,7 @@
 """Which lineage of the outer state a split swarm should keep: pure, from the tags peers announce.
 
-Inputs:  each peer's recent tags, oldest first, the last one the state it holds now (join.py reads them from the
-         signed announcements of the live peers with our settings, ours included).
+Inputs:  each peer's recent tags, oldest first, the last one the state it holds now (announcements.py reads them
+         from the signed announcements of the live peers with our settings, ours included).
 Output:  ``lineages``: the peers grouped by lineage, with every tag their histories hold; ``canonical``: the lineage
          to keep (its peers and tags), or None when there is none (a lineage apart from every other is never kept);
          ``connected``: the union-find both this and sync.Vouches.kin group peers with.
@@ -20,9 +20,9 @@ not the standing the swarm observed from them: docs/trust.md says what that allo
 Halves of a split both hold the rounds since it (each peer vouches for its last 8 states), so their recent rounds
 overlap. A lineage whose recent rounds overlap no other lineage's is no half of a split but a peer far behind (a
 stale checkpoint, a joiner's seed) or a claim far ahead, and is never canonical: the far-behind catch up by download
-(join.py's ``ahead``, the group's majority). Before, one peer announcing the seed while it joined tied a lone peer at
-round 15 (its history held no round 0), won the tie, and that peer moved to the seed state (seen in a test's log); 3
-such joiners would have outnumbered 2 trained peers.
+(announcements.py's ``ahead``, the group's majority). Before, one peer announcing the seed while it joined tied a
+lone peer at round 15 (its history held no round 0), won the tie, and that peer moved to the seed state (seen in a
+test's log); 3 such joiners would have outnumbered 2 trained peers.
 """
 
 from __future__ import annotations

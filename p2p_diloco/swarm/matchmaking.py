@@ -1,14 +1,13 @@
 """Whether, when, at what size and with whom this peer looks for a group: hivemind's matchmaking, steered.
 
-Inputs:  the host's hooks, set by the training peer (Membership, join.py; each None: not asked):
-         ``expected_members`` (how many peers, us included, will come to this round), ``group_window`` (how long
-         to hold the matchmaking open for them), ``group_wait`` (seconds until the next peer will be ready when none
-         is now), ``looking`` (say that we are ready and looking now), ``alone`` (sure that no other peer of the run
-         averages now), ``swarm_ahead`` (the swarm's state when it is past ours by more than max_staleness),
-         ``reachable_members`` (client mode: the live peers that accept calls), ``stopping`` (a stop was asked for:
-         look no more); ``min_group_size``,
-         ``max_round_peers``, ``matchmaking_time``, ``round_deadline``; ``authorized`` (a closed run's peer ids) and
-         the bans.
+Inputs:  the host's hooks (``self.hooks``, hooks.HostHooks, set by the training peer from its Membership; each None:
+         not asked): ``expected_members`` (how many peers, us included, will come to this round), ``group_window``
+         (how long to hold the matchmaking open for them), ``group_wait`` (seconds until the next peer will be ready
+         when none is now), ``looking`` (say that we are ready and looking now), ``alone`` (sure that no other peer
+         of the run averages now), ``swarm_ahead`` (the swarm's state when it is past ours by more than
+         max_staleness), ``reachable_members`` (client mode: the live peers that accept calls), ``stopping`` (a stop
+         was asked for: look no more); ``min_group_size``, ``max_round_peers``, ``matchmaking_time``,
+         ``round_deadline``; ``authorized`` (a closed run's peer ids) and the bans.
 Output:  for reduce.py: ``_wait_for_group`` (waited, and may look now?), ``_left_behind``, ``_alone``,
          ``_no_reachable_member``, ``_say_looking``; ``_expect_members`` sets the round's size and window in the
          averager process (``_set_group_target``, read by the next step). ``admits(peer)``: whether ``peer`` may
@@ -53,7 +52,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads rpc stream types by typing's _name
 
 from hivemind.p2p import P2PContext
@@ -62,31 +60,14 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.protocol import RoundTag
 from p2p_diloco.rounds import ReduceInfo
+from p2p_diloco.swarm.hooks import ask_host
 
-__all__ = ["BAN_SECONDS", "MatchmakingMixin", "ask_host"]
+__all__ = ["BAN_SECONDS", "MatchmakingMixin"]
 
 log = logging.getLogger("p2p_diloco.averager")
 BAN_SECONDS = 600.0  # how long a reducer caught lying is kept out of our groups
 DECLARE_MARGIN = 0.5  # seconds a declaration ends after our previous one at the least (module docstring)
 READ_PAUSE = 0.25  # seconds between two reads of the group key's declarations at the least (module docstring)
-
-
-def ask_host(hook: Callable[..., Any] | None, what: str, fallback: Any, *args: Any) -> Any:
-    """The answer of ``hook(*args)``, one of the host's hooks (the module docstring); ``fallback`` when the hook is not
-    set (None), raises (logged at debug level with ``what``), or answers something that is neither a number nor of
-    ``fallback``'s type (any answer counts when ``fallback`` is None). Not knowing only costs a wait: the averager then
-    does what it did before the hook existed."""
-    if hook is None:
-        return fallback
-    try:
-        answer = hook(*args)
-    except Exception as exc:  # noqa: BLE001 - a host hook's failure must not fail the round
-        log.debug("%s: unknown (%r)", what, exc)
-        return fallback
-    if fallback is not None and not isinstance(answer, type(fallback) | int):
-        log.debug("%s: unknown (answered %r)", what, answer)
-        return fallback
-    return answer
 
 
 class MatchmakingMixin:
@@ -122,7 +103,7 @@ class MatchmakingMixin:
     def _left_behind(self, mine: RoundTag | None, info: ReduceInfo) -> bool:
         """Whether the swarm holds a state too far past ``mine`` for our Δ to count (``swarm_ahead``; it goes to
         ``info.ahead``); False when that is not known."""
-        ahead = None if mine is None else ask_host(self.swarm_ahead, "where the swarm is", None, mine)
+        ahead = None if mine is None else ask_host(self.hooks.swarm_ahead, "where the swarm is", None, mine)
         if isinstance(ahead, RoundTag) and ahead.round > mine.round + self.rules.max_staleness:
             info.ahead = ahead
             log.info("the swarm holds %s, past this peer's %s: resyncing instead of looking for a group", ahead, mine)
@@ -130,29 +111,29 @@ class MatchmakingMixin:
 
     def _ask_group_wait(self) -> float:
         """``group_wait``'s answer; 0 when there is none or it fails (then matchmaking goes ahead now)."""
-        return float(ask_host(self.group_wait, "when peers are ready", 0.0))
+        return float(ask_host(self.hooks.group_wait, "when peers are ready", 0.0))
 
     def _say_looking(self) -> None:
         """Tell the mates we are ready now and looking for a group (``looking``), if anyone listens; when it fails
         they read our last announcement, as before."""
-        ask_host(self.looking, "announcing that this peer is looking for a group", None)
+        ask_host(self.hooks.looking, "announcing that this peer is looking for a group", None)
 
     def _mates_expected(self) -> bool:
         """Whether a mate is expected at this round's matchmaking (``expected_members`` counts another peer than us):
         an attempt that found no group is then tried again, time permitting (reduce.py). False when not known."""
-        return int(ask_host(self.expected_members, "the expected members", 1)) > 1
+        return int(ask_host(self.hooks.expected_members, "the expected members", 1)) > 1
 
     def _stopping(self) -> bool:
         """Whether the host asked this peer to stop (``stopping``): no group is looked for from then on."""
-        return bool(ask_host(self.stopping, "whether this peer is stopping", False))
+        return bool(ask_host(self.hooks.stopping, "whether this peer is stopping", False))
 
     def _alone(self) -> bool:
         """Whether we are sure no other peer of the run averages now (``alone``); False when not known."""
-        return bool(ask_host(self.alone, "whether this peer is alone", False))
+        return bool(ask_host(self.hooks.alone, "whether this peer is alone", False))
 
     def _no_reachable_member(self) -> bool:
         """Whether no live peer of the run can lead a group for us (client mode; ``reachable_members`` says 0)."""
-        return ask_host(self.reachable_members, "the reachable members", None) == 0
+        return ask_host(self.hooks.reachable_members, "the reachable members", None) == 0
 
     def _expect_members(self) -> float:
         """Tell the averager process how many members to assemble the round at and how long to hold its matchmaking
@@ -163,10 +144,10 @@ class MatchmakingMixin:
         whose window ends sooner takes the group over, the followers redirected to it). Returns the window."""
         expected, window = self.target_group_size_cap, self.matchmaking_time
         try:
-            if self.expected_members is not None:
-                expected = int(self.expected_members())
-            if self.group_window is not None:
-                window = min(max(float(self.group_window()), self.matchmaking_time), self.round_deadline / 2)
+            if self.hooks.expected_members is not None:
+                expected = int(self.hooks.expected_members())
+            if self.hooks.group_window is not None:
+                window = min(max(float(self.hooks.group_window()), self.matchmaking_time), self.round_deadline / 2)
         except Exception as exc:  # noqa: BLE001 - not knowing who will come only costs the wait
             log.debug("expected members or their window unknown (%r): assembling at max_round_peers", exc)
         size = max(self.matchmaking_kwargs["min_group_size"], min(self.target_group_size_cap, expected))

@@ -22,7 +22,9 @@ Failure: TrackerError (a ConfigError) at construction when a configured tracker'
          checkpointed.
 
 This module only orchestrates; each concern has its own:
-  join.py      reach the run's members, compare fingerprints, the first outer state
+  join.py      the first outer state (resume, seed or download), the wait for round 1's peers
+  membership.py  this peer's announcement, compare fingerprints, heal a split (announcements.py: what the run's
+               members announce; readiness.py: when they will be ready)
   sync.py      the outer state: serve it, fetch and verify a donor's, adopt it, the outer step under the lock
   engine.py    the round itself (contribute -> averager.reduce -> protocol.decide -> settle), as in the simulator
   guard.py     what a failed round leads to: discard, back off, roll back, give up
@@ -52,11 +54,14 @@ from p2p_diloco.protocol import RoundRules, RoundTag
 from p2p_diloco.robust import max_round_tokens
 from p2p_diloco.rounds import RoundResult
 from p2p_diloco.swarm import reachability
+from p2p_diloco.swarm.announcements import POLL_MAX, poll_pause
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
+from p2p_diloco.swarm.hooks import HostHooks
 from p2p_diloco.swarm.identity import Admission, Identity, read_authorized_keys
-from p2p_diloco.swarm.join import POLL_MAX, Heal, Membership, PeerOptions, first_state, poll_pause, wait_for_start_peers
+from p2p_diloco.swarm.join import PeerOptions, first_state, wait_for_start_peers
+from p2p_diloco.swarm.membership import Heal, Membership
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.standing import counted_members
 from p2p_diloco.swarm.sync import StateSync
@@ -126,7 +131,73 @@ class TrainingPeer:
         self._step_seconds: float | None = None  # the last full round's seconds per inner step
 
     def start(self) -> None:
+        """Join the run: our key and DHT node, the worker on our shard, our announcement, the averager, the first
+        outer state, and round 1's wait for swarm.start_peers peers (the module docstring lists what may fail)."""
         cfg, s = self.cfg, self.cfg.swarm
+        identity, authorized, own_key = self._load_identity()
+        self._join_dht(identity, own_key)
+        shard = cfg.data.shard_index
+        shard = shard if shard is not None else shard_for_peer(self.peer_id, cfg.data.num_shards)
+        self.worker = worker = Worker(cfg, self.data.vocab_size, self.data.train_batches(shard, cfg.seed))
+        fingerprint, summary = swarm_fingerprint(cfg, worker.model, self.data)
+        client = self.dht.client_mode
+        self.members = members = Membership(self.dht, cfg, identity, fingerprint, summary, authorized, client)
+        members.check()
+        # at once, the seed's tag while we may still download: the others then know a peer is coming (a lone peer
+        # that read nobody took local steps until we came: 7 rounds in a CI run). lineage.py keeps this round-0 tag
+        # from drawing anyone back: it is in every lineage's recent tags until round 8, and apart from all after
+        members.announce(worker.tag())
+        prefix = f"{s.run_id}_{fingerprint}"
+        self._start_averager(prefix, identity, authorized)
+        self.sync = sync = StateSync(
+            worker,
+            self.averager,
+            fingerprint,
+            s.state_timeout,
+            lambda: bool(members.others()),
+            vouches=members.vouches,
+            quorum=s.state_quorum,
+        )
+        # vouch for a new state as soon as it is hashed (in the background: the next inner steps need not wait)
+        sync.on_change = lambda: worker.tag_soon().add_done_callback(self._vouch)
+        threading.Thread(target=self._heartbeat, name="announcements", daemon=True).start()
+        first_state(worker, sync, members, cfg, self.opts)
+        wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
+        self.averager.set_state_provider(self.sync.serve)
+        # after the DHT and averager processes are forked (a wandb run must not be inherited), before round 1
+        self.trackers = Trackers.open(
+            cfg.logging, self.log_dir, self.peer_id, s.run_id, cfg.to_dict(), tokens_field="total_tokens"
+        )
+        public_key = owner_subkey(identity.public_key)
+        self.reporter = Reporter(cfg, self.log_dir, self.dht, self.peer_id, public_key, self.trackers)
+        self.guard = RoundGuard(
+            self.sync, s.rollback_after, s.max_failed_rounds, self.opts.stop.wait, fallback=self._checkpointed_state
+        )
+        print(f"joined at round {worker.state.round} with checksum {worker.state.checksum()}", flush=True)
+        write_run_metadata(
+            self.log_dir,
+            cfg,
+            peer_id=self.peer_id,
+            shard_index=shard,
+            fingerprint=fingerprint,
+            fingerprint_summary=summary,
+            torch_threads=torch.get_num_threads(),
+            shard_histograms=self.data.histograms(),
+        )
+        log.info(
+            "peer %s: shard %d of %d, %d params, round %d, averaging prefix %s",
+            self.peer_id,
+            shard,
+            cfg.data.num_shards,
+            worker.num_params,
+            worker.state.round,
+            prefix,
+        )
+
+    def _load_identity(self) -> tuple[Identity, Admission | None, bool]:
+        """This peer's key, whom a closed run admits, and whether the key is the log dir's own (no
+        --identity-path). SwarmSetupError when a closed run does not list the key."""
+        s = self.cfg.swarm
         listed = read_authorized_keys(s.authorized_keys) if s.authorized_keys else None
         authorized = Admission.of(listed, s.identity_work)
         # no --identity-path: the key is kept in the log dir, so a restarted peer (--resume) has the same peer id,
@@ -139,7 +210,13 @@ class TrainingPeer:
                 f"run {s.run_id!r} is closed and swarm.authorized_keys ({s.authorized_keys}) does not list this "
                 f"peer's key; ask the organiser to add this line to it:\n  {identity.public_key.decode()}"
             )
-        validators, public_key = make_validators(s.run_id, identity), owner_subkey(identity.public_key)
+        return identity, authorized, own_key
+
+    def _join_dht(self, identity: Identity, own_key: bool) -> None:
+        """Start our DHT node (again in client mode when the reachability check says others cannot dial us) and say
+        how others reach us."""
+        s = self.cfg.swarm
+        validators = make_validators(s.run_id, identity)
 
         def start(client_mode: bool) -> Any:
             return start_dht(
@@ -173,84 +250,36 @@ class TrainingPeer:
         else:
             reachability.serve(self.dht)
             print(f"peer {self.peer_id} reachable as: {initial_peers_line(visible_maddrs(self.dht))}", flush=True)
-        shard = cfg.data.shard_index
-        shard = shard if shard is not None else shard_for_peer(self.peer_id, cfg.data.num_shards)
-        self.worker = worker = Worker(cfg, self.data.vocab_size, self.data.train_batches(shard, cfg.seed))
-        fingerprint, summary = swarm_fingerprint(cfg, worker.model, self.data)
-        client = self.dht.client_mode
-        self.members = members = Membership(self.dht, cfg, identity, fingerprint, summary, authorized, client)
-        members.check()
-        # at once, the seed's tag while we may still download: the others then know a peer is coming (a lone peer
-        # that read nobody took local steps until we came: 7 rounds in a CI run). lineage.py keeps this round-0 tag
-        # from drawing anyone back: it is in every lineage's recent tags until round 8, and apart from all after
-        members.announce(worker.tag())
-        prefix = f"{s.run_id}_{fingerprint}"
+
+    def _start_averager(self, prefix: str, identity: Identity, authorized: Admission | None) -> None:
+        """Our averager under ``prefix``, asking our Membership about the run (hooks.py), and grouping only with the
+        peers it admits."""
+        members = self.members
         self.averager = PseudoGradAverager.from_config(
             self.dht,
-            worker.state.anchor,
-            s,
+            self.worker.state.anchor,
+            self.cfg.swarm,
             prefix=prefix,
-            max_tokens=max_round_tokens(cfg),
+            max_tokens=max_round_tokens(self.cfg),
             identity=identity,
             authorized=authorized,
             in_thread=self.opts.in_thread,
         )
-        self.averager.expected_members = members.expected_members
-        self.averager.reachable_members = members.reachable_members
-        self.averager.group_wait = members.group_wait
-        self.averager.looking = members.looking
-        self.averager.swarm_ahead = members.ahead
-        self.averager.group_window = members.group_window
-        self.averager.silent = members.suspect
-        self.averager.alone = members.alone
-        self.averager.stopping = self.opts.stop.is_set
+        self.averager.hooks = HostHooks(
+            expected_members=members.expected_members,
+            group_window=members.group_window,
+            group_wait=members.group_wait,
+            looking=members.looking,
+            alone=members.alone,
+            swarm_ahead=members.ahead,
+            reachable_members=members.reachable_members,
+            stopping=self.opts.stop.is_set,
+            silent=members.suspect,
+            averaged_with=lambda gathered, dropped: members.standing.count(
+                counted_members(gathered.payloads, self.peer_id, dropped)
+            ),
+        )
         members.admits = self.averager.admits
-        self.averager.averaged_with = lambda gathered, dropped: members.standing.count(
-            counted_members(gathered.payloads, self.peer_id, dropped)
-        )
-        self.sync = sync = StateSync(
-            worker,
-            self.averager,
-            fingerprint,
-            s.state_timeout,
-            lambda: bool(members.others()),
-            vouches=members.vouches,
-            quorum=s.state_quorum,
-        )
-        # vouch for a new state as soon as it is hashed (in the background: the next inner steps need not wait)
-        sync.on_change = lambda: worker.tag_soon().add_done_callback(self._vouch)
-        threading.Thread(target=self._heartbeat, name="announcements", daemon=True).start()
-        first_state(worker, sync, members, cfg, self.opts)
-        wait_for_start_peers(members, cfg, sync.tag(), self.opts.stop)
-        self.averager.set_state_provider(self.sync.serve)
-        # after the DHT and averager processes are forked (a wandb run must not be inherited), before round 1
-        self.trackers = Trackers.open(
-            cfg.logging, self.log_dir, self.peer_id, s.run_id, cfg.to_dict(), tokens_field="total_tokens"
-        )
-        self.reporter = Reporter(cfg, self.log_dir, self.dht, self.peer_id, public_key, self.trackers)
-        self.guard = RoundGuard(
-            self.sync, s.rollback_after, s.max_failed_rounds, self.opts.stop.wait, fallback=self._checkpointed_state
-        )
-        print(f"joined at round {worker.state.round} with checksum {worker.state.checksum()}", flush=True)
-        write_run_metadata(
-            self.log_dir,
-            cfg,
-            peer_id=self.peer_id,
-            shard_index=shard,
-            fingerprint=fingerprint,
-            fingerprint_summary=summary,
-            torch_threads=torch.get_num_threads(),
-            shard_histograms=self.data.histograms(),
-        )
-        log.info(
-            "peer %s: shard %d of %d, %d params, round %d, averaging prefix %s",
-            self.peer_id,
-            shard,
-            cfg.data.num_shards,
-            worker.num_params,
-            worker.state.round,
-            prefix,
-        )
 
     def _choose_mode(self) -> reachability.Mode:
         """Client or full peer (``--client-mode`` / ``--no-client-mode`` win; otherwise the dial-back check decides)."""
@@ -265,8 +294,8 @@ class TrainingPeer:
         return reachability.choose_mode(flag, found)
 
     def _heartbeat(self) -> None:
-        """Refresh our announcement while we are up, so peers count us as there (join.Membership.LIVE): asked every
-        half HEARTBEAT, it stores when nothing was stored for HEARTBEAT seconds, so no two stores are more than 1.5
+        """Refresh our announcement while we are up, so peers count us as there (Announcements.LIVE): asked every half
+        HEARTBEAT, it stores when nothing was stored for HEARTBEAT seconds, so no two stores are more than 1.5
         HEARTBEAT apart (LIVE is 3 HEARTBEATs)."""
         while not self.opts.stop.wait(Membership.HEARTBEAT / 2) and self.dht is not None:
             self.members.refresh()
@@ -285,7 +314,7 @@ class TrainingPeer:
         def on_step(k: int, loss: float) -> None:
             progress(k, loss)
             pace.step(worker.in_flight)
-            # when our inner steps will end: who the others wait for (join.py). Not while our last exchange is in
+            # when our inner steps will end: who the others wait for (readiness.py). Not while our last exchange is in
             # flight (swarm.overlap eager): we are looking for a group now, as our last announcement says; the
             # first step after it is settled announces instead.
             # (not before its pace is known: a first step's "ends now" would read as ready now to the mates)
@@ -316,7 +345,7 @@ class TrainingPeer:
     def _announce_ready(self, done: int, pace: float) -> None:
         """Announce when this round's inner steps will end (DHT time, which is the wall clock): the round's end under
         inner.round_seconds; else ``pace`` seconds a step from now on. Mates ready up to half a round later are
-        waited for (join.py), and at least half of swarm.matchmaking_time (peers of equal speed on a loaded machine
+        waited for (readiness.py), and at least half of swarm.matchmaking_time (peers of equal speed on a loaded machine
         end their rounds seconds apart; one a few seconds late would otherwise miss the group and arrive a round
         behind); one 2x slower or more is not."""
         now, steps, wait = time.time(), self.cfg.inner.steps, 0.5 * self.cfg.swarm.matchmaking_time

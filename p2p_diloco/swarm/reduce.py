@@ -55,7 +55,7 @@ import torch
 from p2p_diloco.outer import is_finite
 from p2p_diloco.protocol import Gathered, GatherPayload
 from p2p_diloco.rounds import ReduceInfo
-from p2p_diloco.swarm.matchmaking import ask_host
+from p2p_diloco.swarm.hooks import ask_host
 
 __all__ = ["ALONE", "NO_REACHABLE_MEMBER", "ReduceMixin"]
 
@@ -135,7 +135,7 @@ class ReduceMixin:
             averaged, why, retry = self._attempt(grads, float(weight), gather, info)
             if averaged is not None:
                 info.complete, info.reason = True, "; ".join(notes)
-                ask_host(self.averaged_with, "recording whom we averaged with", None, info.gathered, info.dropped)
+                ask_host(self.hooks.averaged_with, "recording whom we averaged with", None, info.gathered, info.dropped)
                 return averaged, info
             notes.append(f"attempt {info.attempts}: {why}")
             if self._stopping():  # the loop's first check ends it, without the DHT reads below (slow once mates left)
@@ -218,7 +218,7 @@ class ReduceMixin:
         """Tell the host (``silent``, e.g. Membership.suspect) which members of a failed attempt did not answer its
         vote; a hook that raises is logged and ignored."""
         if peers:
-            ask_host(self.silent, "reporting silent members", None, peers)
+            ask_host(self.hooks.silent, "reporting silent members", None, peers)
 
     def _result_of(self, control: Any, deadline: float) -> Any:
         """The step's result, by ``deadline`` (monotonic; TimeoutError after it). While it is still matchmaking, say

@@ -3,8 +3,8 @@
 Inputs:  the Worker whose OuterState this guards; the averager (``manifest`` and ``piece`` from donors, see
          download.py; it serves ``serve``'s output to others); this run's fingerprint; ``swarm.state_timeout``;
          a callable that says whether other peers of the run are about; ``vouches``: what the run's signed
-         announcements say (join.py: which peer holds which (round, checksum) now, and which it held in its last
-         rounds); ``swarm.state_quorum``; ``on_change``, called after every change of the state (the peer announces
+         announcements say (announcements.py: which peer holds which (round, checksum) now, and which it held in its
+         last rounds); ``swarm.state_quorum``; ``on_change``, called after every change of the state (the peer announces
          the new tag at once, so others may vouch for it).
 Output:  ``serve`` (the snapshot other peers download), ``fetch(wanted)`` (the one download path: the furthest state
          that ``state_quorum`` peers, or all there are when fewer, vouch for, or our own, in pieces from its holders
@@ -57,7 +57,7 @@ log = logging.getLogger("p2p_diloco.sync")
 
 @dataclass
 class Vouches:
-    """What the run's signed announcements say about outer states (swarm/join.py builds it).
+    """What the run's signed announcements say about outer states (swarm/announcements.py builds it).
 
     ``vouchers[tag]``: the peers that held ``tag`` in one of their recent rounds; ``holders[tag]``: the peers that
     hold it now (the donors to try for it); ``live``: the peers of the run that are still about (self excluded; a
@@ -107,7 +107,7 @@ class Vouches:
     def offers(self, wanted: int, mine: RoundTag | None, by_standing: bool = True) -> list[tuple[RoundTag, list[str]]]:
         """(tag, donors) for every state some peer holds that the swarm offers (see the class docstring), or that is
         our own, the furthest round first. Any other tag is left out, whatever round it claims. ``by_standing``
-        False: (1) counts keys, and (2) does not apply: a split's canonical lineage, which join.py chose by
+        False: (1) counts keys, and (2) does not apply: a split's canonical lineage, which membership.py chose by
         lineage.py's rule, counting keys alike on every peer (the other half's peers are strangers to us: by
         standing, they could never vouch for the state we must take)."""
         refused = self.refusals(wanted, mine, by_standing)

@@ -93,7 +93,7 @@ MAX_CLOCK_SKEW = 600.0  # seconds
 MAX_RECORD_TTL = 86400.0  # seconds: the longest DHT lifetime a metrics record may claim (swarm.record_ttl)
 MAX_RATE = 1e12  # tokens per second, seconds
 MAX_STEP = 2**40
-MAX_STATES = 8  # the recent outer states one announcement may vouch for (join.Membership keeps this many)
+MAX_STATES = 8  # the recent outer states one announcement may vouch for (membership.Membership keeps this many)
 MAX_COUNT = 2**62  # tokens, bytes, group size
 
 _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
@@ -252,7 +252,7 @@ class _Summary(_Checked):
 
 class States(_Checked):
     """A peer's recent outer states: a list of <= 8 pairs [round int >= 0, checksum str <= 64]. ``check`` raises
-    ValueError for anything else (join.py reads announcements through it too)."""
+    ValueError for anything else (announcements.py reads announcements through it too)."""
 
     @staticmethod
     def check(value: Any) -> Any:
@@ -271,7 +271,7 @@ class States(_Checked):
 
 class _SettingsWire(pydantic_v1.BaseModel):
     """One peer's settings under ``{run_id}_settings``: its fingerprint and the fields it hashes (the summary), read
-    only to name what differs when a fingerprint does (swarm/join.py's Membership writes it)."""
+    only to name what differs when a fingerprint does (swarm/membership.py writes it)."""
 
     fingerprint: pydantic_v1.constr(strict=True, max_length=64)
     summary: _Summary
@@ -281,7 +281,7 @@ class _SettingsWire(pydantic_v1.BaseModel):
 
 
 class _FingerprintWire(pydantic_v1.BaseModel):
-    """One peer's announcement under ``{run_id}_fingerprint`` (swarm/join.py's Membership writes it). Read by every
+    """One peer's announcement under ``{run_id}_fingerprint`` (swarm/membership.py writes it). Read by every
     peer several times a round, by every DHT node on a lookup's way: what is read only once (the settings summary)
     lives under ``{run_id}_settings``."""
 
@@ -293,7 +293,7 @@ class _FingerprintWire(pydantic_v1.BaseModel):
     # without it was dropped, so joiners saw no member)
     client: pydantic_v1.StrictBool
     # when this peer's current inner steps end, in DHT time (0.0: not known yet): who to expect at a round's
-    # matchmaking and when (join.Membership.expected_members, group_wait)
+    # matchmaking and when (readiness.Readiness.expected_members, group_wait)
     ready_at: pydantic_v1.confloat(strict=True, ge=0.0, lt=float(MAX_STEP))
     # this peer's run is over (it serves its final state while it lingers, then leaves): no matchmaking waits for it
     done: pydantic_v1.StrictBool

@@ -4,7 +4,7 @@ Inputs:  this member's verdict on the attempt and the digest of its averaged vec
          their modes, a deadline (the group's start plus ``allreduce_timeout``, less 1 s); the verdicts other
          members push to us (``rpc_vote``).
 Output:  ``_collect_votes``: the members that did not confirm a complete result with our digest (empty: agreed),
-         and those of them that did not answer at all (reduce.py makes them suspects, join.py).
+         and those of them that did not answer at all (reduce.py makes them suspects, readiness.py).
          ``rpc_vote`` answers its caller with this node's group view.
 State:   ``_votes`` (averager process): per group id, for the 16 most recent groups, our verdict, our group view (a
          node's), the verdicts heard, a change event, and the members once known.

@@ -1,6 +1,6 @@
 """Item 9: a swarm with one slow peer, fixed H against time-budgeted rounds (inner.round_seconds), at equal wall time.
 
-Fixed H: nobody waits for the slow peer (it announces a later round end, join.py); by default (max_staleness 1) its
+Fixed H: nobody waits for the slow peer (it announces a later round end, readiness.py); by default (max_staleness 1) its
 Δ, 2-3 rounds late, is discarded, and in the last case (max_staleness 4) it counts as a delayed Δ.
 
 Usage:
