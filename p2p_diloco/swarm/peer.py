@@ -23,8 +23,9 @@ Failure: TrackerError (a ConfigError) at construction when a configured tracker'
 
 This module only orchestrates; each concern has its own:
   join.py      the first outer state (resume, seed or download), the wait for round 1's peers
-  membership.py  this peer's announcement, compare fingerprints, heal a split (announcements.py: what the run's
-               members announce; readiness.py: when they will be ready)
+  membership.py  this peer's announcement, compare fingerprints, a split's canonical state (announcements.py:
+               what the run's members announce; readiness.py: when they will be ready)
+  heal.py      take a split's canonical state, before a round and at the run's end; end a round with the mates
   sync.py      the outer state: serve it, fetch and verify a donor's, adopt it, the outer step under the lock
   engine.py    the round itself (contribute -> averager.reduce -> protocol.decide -> settle), as in the simulator
   guard.py     what a failed round leads to: discard, back off, roll back, give up
@@ -54,14 +55,15 @@ from p2p_diloco.protocol import RoundRules, RoundTag
 from p2p_diloco.robust import max_round_tokens
 from p2p_diloco.rounds import RoundResult
 from p2p_diloco.swarm import reachability
-from p2p_diloco.swarm.announcements import POLL_MAX, poll_pause
+from p2p_diloco.swarm.announcements import poll_pause
 from p2p_diloco.swarm.averager import PseudoGradAverager
 from p2p_diloco.swarm.dht import SwarmSetupError, initial_peers_line, shutdown_dht, start_dht, visible_maddrs
 from p2p_diloco.swarm.guard import RoundGuard, RoundsFailing, StopRequested
+from p2p_diloco.swarm.heal import Healer
 from p2p_diloco.swarm.hooks import HostHooks
 from p2p_diloco.swarm.identity import Admission, Identity, read_authorized_keys
 from p2p_diloco.swarm.join import PeerOptions, first_state, wait_for_start_peers
-from p2p_diloco.swarm.membership import Heal, Membership
+from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.report import Reporter
 from p2p_diloco.swarm.standing import counted_members
 from p2p_diloco.swarm.sync import StateSync
@@ -126,6 +128,7 @@ class TrainingPeer:
         self.reporter: Reporter | None = None
         self.trackers: Trackers | None = None
         self.guard: RoundGuard | None = None
+        self.healer: Healer | None = None
         self.peer_id = ""
         self.eval_sets = self.data.eval_sets()
         self._step_seconds: float | None = None  # the last full round's seconds per inner step
@@ -173,6 +176,7 @@ class TrainingPeer:
         self.guard = RoundGuard(
             self.sync, s.rollback_after, s.max_failed_rounds, self.opts.stop.wait, fallback=self._checkpointed_state
         )
+        self.healer = Healer(worker, sync, members, cfg, self.opts.stop, self._checkpoint)
         print(f"joined at round {worker.state.round} with checksum {worker.state.checksum()}", flush=True)
         write_run_metadata(
             self.log_dir,
@@ -357,42 +361,6 @@ class TrainingPeer:
             ready_at = min(ready_at, max(now, self.worker.ends_by))
         self.members.expect_ready(ready_at, max(0.5 * pace * steps, wait))
 
-    def _heal(self) -> bool:
-        """Before a round: when the swarm holds two lineages of the outer state (a split) and ours is not the
-        canonical one (Membership.canonical), take the canonical one's state; whether we did. Not with an exchange
-        in flight (swarm.overlap eager): its round settles on our lineage first."""
-        if self.worker.in_flight:
-            return False
-        mine = self.sync.tag()
-        heal = self.members.canonical(mine)
-        if heal is None:
-            return False
-        log.warning("the swarm split: more peers hold the lineage of %s than ours (%s); taking it", heal.target, mine)
-        return self._take_lineage(heal, "moving to the swarm's canonical lineage", wait=False)
-
-    def _take_lineage(self, heal: Heal, why: str, wait: bool) -> bool:
-        """Take ``heal.target``, a state of another lineage, and announce it at once, vouching for it alone
-        (Membership.left_lineage); whether the swarm offered it. ``wait``: until a DHT node stored the announcement."""
-        if not self.sync.take(heal.target, why, heal.quorum):
-            return False
-        self.members.left_lineage()
-        self.members.announce(self.sync.tag(), wait=wait)
-        return True
-
-    def _align(self) -> None:
-        """After this peer took the swarm's state (it joined, or resynced), end its next round's inner steps with its
-        mates' current round (Membership.round_end), so its Δ counts in their group: a peer a few seconds late, or
-        one that spent part of a round downloading, would otherwise arrive a round behind every time and resync again.
-        Fixed H only (inner.round_seconds ends every peer's round at the same instant already), not with an exchange
-        in flight."""
-        if self.cfg.inner.round_seconds > 0 or self.worker.in_flight:
-            return
-        end = self.members.round_end()
-        if end is not None:
-            self.worker.end_by = end
-            log.info("took the swarm's state mid-round: the next inner steps end with the mates' round, in %.1fs",
-                     max(0.0, end - time.time()))  # fmt: skip
-
     def _linger(self) -> None:
         """Serve the final state for swarm.linger_seconds more, or until every live mate is done on the same state
         (Membership.served_out, read every ``poll_pause`` seconds): a run whose peers end together then ends at once
@@ -416,14 +384,14 @@ class TrainingPeer:
             self.start()
             worker = self.worker
             if self.sync.adopted:  # it joined a running swarm: its first round ends with the mates'
-                self._align()
+                self.healer.align()
             while worker.state.round + worker.in_flight < self.cfg.train.rounds and not self.opts.stop.is_set():
-                if self._heal():
-                    self._align()
+                if self.healer.before_round():
+                    self.healer.align()
                 started, adopted = time.perf_counter(), self.sync.adopted
                 self._settled(self.run_round(), started)
                 if self.sync.adopted != adopted:
-                    self._align()
+                    self.healer.align()
             if worker.in_flight:  # swarm.overlap eager: the last exchange (or the one a stop found in flight)
                 started = time.perf_counter()
                 drain = functools.partial(worker.drain, self.rules, self.sync, self.eval_sets)
@@ -432,7 +400,7 @@ class TrainingPeer:
                 log.info("stop requested: leaving at round %d", self.worker.state.round)
             self._checkpoint()
             self.members.finish()  # no mate's matchmaking waits for us from here on
-            healed_from = None if self.opts.stop.is_set() else self._heal_at_the_end()
+            healed_from = None if self.opts.stop.is_set() else self.healer.at_the_end()
             self._write_final(healed_from)
             if not self.opts.stop.is_set() and self.cfg.swarm.linger_seconds > 0:
                 self._linger()
@@ -451,38 +419,6 @@ class TrainingPeer:
             raise
         finally:
             self.close()
-
-    def _heal_at_the_end(self) -> RoundTag | None:
-        """After our last round (we announced ``done``): while a mate's last round may still end (Membership.finishing),
-        watch for a split, and when our lineage is not the canonical one among the live peers, done ones included,
-        take the canonical state, so the run ends on one state. ``_heal`` mends a split before the next round; a split
-        in the last round has none (measured: 64 harness peers ended 58 + 6 on two states). At most
-        swarm.round_deadline; the tag we left, or None."""
-        left, deadline = None, time.monotonic() + self.cfg.swarm.round_deadline
-        while not self.opts.stop.is_set():
-            mine = self.sync.tag()
-            # finishing before canonical, each its own read: mates announce their last state and "done" within
-            # moments, so a split judged on a read older than the one that found them done can be missed (seen in 2
-            # of 12 runs the other way round: the last read showed the 2 + 2 split, all done, and the peer stayed)
-            settled = not self.members.finishing(mine.round)
-            heal = self.members.canonical(mine, counting_done=True)
-            if heal is not None:
-                log.warning("the run ended split: more peers hold the lineage of %s than ours (%s)", heal.target, mine)
-                if self._take_lineage(heal, "the run ended split: moving to the canonical lineage", wait=True):
-                    left = left or mine
-                    self._checkpoint()
-                    continue
-            elif settled:
-                held = self.members.held(max_age=5.0)  # from the read canonical() just made
-                log.info("the run's end: no mate still finishing; ours is %s, the others read hold %s", mine,
-                         ", ".join(f"{tag} x{n}" for tag, n in held.items()) or "nothing")  # fmt: skip
-                break
-            if time.monotonic() > deadline:
-                log.warning("the run's end: mates still finish their last round after %.0fs; not waiting longer",
-                            self.cfg.swarm.round_deadline)  # fmt: skip
-                break
-            self.opts.stop.wait(poll_pause(len(self.members.mates(2 * POLL_MAX))))  # the mates of the last read
-        return left
 
     def _write_final(self, healed_from: RoundTag | None) -> None:
         """DIR/final.json: the outer state this peer ended on (its round and checksum: the last metrics.jsonl record's,
