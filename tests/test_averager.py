@@ -431,8 +431,9 @@ def test_a_group_formed_on_the_leaders_side_only_is_met_again_in_the_next_attemp
     infos = [result["info"] for result in results]
     dropped = [k for k, peer in enumerate(peers) if any(line.startswith("DROPPED ") for line in peer.proc.stdout_lines)]
     assert dropped == ([1] if client else dropped) and dropped, infos  # a client is always the follower
+    said = json.dumps([dropped, [{x: i.get(x) for x in ("complete", "attempts", "reason")} for i in infos]])
     for k, info in enumerate(infos):
-        assert info["complete"] and info["group_size"] == 2 and info["attempts"] == 1 + len(dropped), info
+        assert info["complete"] and info["group_size"] == 2 and info["attempts"] == 1 + len(dropped), said
         assert_close(peers[k].result(), weighted_mean([0, 1], [1.0, 1.0]))
     for k in dropped:
         follower, leader = infos[k]["reason"], infos[1 - k]["reason"]

@@ -4,11 +4,12 @@ run_peer processes on 127.0.0.1). The one-state issue (#23) found such a peer lo
 one restarted every ~22 s, it recorded no round in 4 minutes ("not downloading round 16: fewer than 2 peers vouch for
 it"). That case measured at 23fe39a: every one of its 10 lives counted, the first round 8-17 s after its start.
 
-Sizing: the peer is killed after its first round (12 s in) and the run must outlast its restart by several rounds. With
-3 inner steps a round, two survivors that no longer wait for a dead member ran ~1.4 rounds a second and finished all
-40 rounds before the restart took part (CI at 9c30ae3: its second life counted 0; 43 s on an idle machine). 15 steps
-make a round ~1.7 s here, so 30 rounds leave the restart, which took 7 s idle and up to ~25 s under load, 10 or more
-rounds to count in."""
+Sizing: the peer is killed 20 s in, or once it has trained its first round if that comes later (up to 20 s more),
+and the run must outlast its restart by several rounds. With 3 inner steps a round, two survivors that no longer wait
+for a dead member ran ~1.4 rounds a second and finished all 40 rounds before the restart took part (CI at 9c30ae3: its
+second life counted 0; 43 s on an idle machine). 15 steps make a round ~1.7 s here, so 30 rounds leave the restart,
+which took 7 s idle and up to ~25 s under load, 10 or more rounds to count in. A kill at 12 s came before the first
+life's first round in 1 of 5 runs of the swarm tests beside a busy process (its start-up took over 24 s)"""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.swarm
 @pytest.mark.timeout(DEADLINE + 60)
 def test_a_peer_killed_and_started_again_counts_in_the_swarm_s_rounds_again(tmp_path: Path) -> None:
     out = tmp_path / "one_state.json"
-    args = ["--peers", "3", "--group", "3", "--rounds", "30", "--h", "15", "--churn", "2:12:1", "--timeout", "280"]
+    args = ["--peers", "3", "--group", "3", "--rounds", "30", "--h", "15", "--churn", "2:20:1", "--timeout", "280"]
     case = bench_case("one_state.py", args, out, DEADLINE)
     first, last = case["churn"]["lives"]
     assert first["counted"] >= 1, case  # it was in the swarm's rounds before it was killed

@@ -137,6 +137,29 @@ def test_two_peers_behind_two_nats_train_with_a_reachable_one(nat_ok, tmp_path):
             lab.wan, [sys.executable, "-m", "peers.run_bootstrap", "--host-maddrs", f"/ip4/{lab.wan_ip}/tcp/0"], env
         )
         initial = boot.wait_for_line(r"^--initial-peers ", timeout=60).string.split()[1:]
+        # the monitor first: peers of 4 short rounds that end together leave at once (they linger only while a
+        # mate may still need their state), and a monitor started after them found none of them (a run beside a
+        # busy process: its samples held no peer)
+        monitor = lab.spawn(
+            lab.wan,
+            [
+                sys.executable,
+                "-m",
+                "peers.run_monitor",
+                "--initial-peers",
+                *initial,
+                "--run-id",
+                "tiny-demo",
+                "--out",
+                str(tmp_path / "monitor"),
+                "--interval",
+                "1",
+                "--host-maddrs",
+                f"/ip4/{lab.wan_ip}/tcp/0",
+            ],
+            env,
+        )
+        monitor.wait_for_line(r"^monitor \S+ watching run", timeout=90)
         dirs = [tmp_path / f"peer{k}" for k in range(3)]
         peers = []
         for k, (home, d) in enumerate(zip(lab.homes, dirs, strict=True)):
@@ -160,25 +183,6 @@ def test_two_peers_behind_two_nats_train_with_a_reachable_one(nat_ok, tmp_path):
             p.wait_for_line(r"^(reachable at|not reachable from outside|reachability unknown)", timeout=90)
             for p in peers
         ]
-        monitor = lab.spawn(
-            lab.wan,
-            [
-                sys.executable,
-                "-m",
-                "peers.run_monitor",
-                "--initial-peers",
-                *initial,
-                "--run-id",
-                "tiny-demo",
-                "--out",
-                str(tmp_path / "monitor"),
-                "--interval",
-                "1",
-                "--host-maddrs",
-                f"/ip4/{lab.wan_ip}/tcp/0",
-            ],
-            env,
-        )
         for p in peers:
             rc = p.wait(timeout=180)
             assert rc == 0, p.describe(60)
