@@ -663,11 +663,21 @@ def test_a_closed_run_never_groups_with_or_serves_an_unlisted_peer(spawn, tmp_pa
 @pytest.mark.timeout(150)
 def test_a_reducer_that_tells_members_different_results_fails_every_attempt(spawn):
     """p2 sends the first sender an average 0.1% off (within any norm bound): the members' digests differ in the
-    vote, so nobody takes the group's result; each keeps its own pseudo-gradients."""
+    vote, so nobody takes the group's result; each keeps its own pseudo-gradients. One way an attempt may complete:
+    the victim's stream from p2 broke before the lie landed and it copied p2's slice whole from a mate that got the
+    truth (repair.py); then all three hold the same, true mean (a fresh-clone CI check here: attempt 3 of 3 did so)."""
     peers = start_swarm(spawn, 3, per_peer={2: {"lie_to_first": True}})
     for peer in peers:
         peer.send("REDUCE 1.0")
     results = [peer.expect("RESULT", 120) for peer in peers]
+    if any(res["info"]["complete"] for res in results):
+        infos = [res["info"] for res in results]
+        assert all(i["complete"] for i in infos) and any(i["repaired"] for i in infos), infos
+        first = peers[0].result()
+        for peer in peers:
+            assert all(torch.equal(a, b) for a, b in zip(peer.result(), first, strict=True))
+        assert_close(first, weighted_mean([0, 1, 2], [1.0, 1.0, 1.0]))
+        return
     for k, (peer, res) in enumerate(zip(peers, results, strict=True)):
         info = res["info"]
         assert not info["complete"] and info["group_size"] == 1, info
