@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from bench_case import bench_case
 
-DEADLINE = 300.0  # the case's own --timeout is 280 s; it took ~71 s on an idle machine
+DEADLINE = 300.0  # the case's own --timeout is 280 s; 71 s idle (kill at 12 s), 83 s in a fresh-clone suite run
 
 pytestmark = pytest.mark.swarm
 
