@@ -159,7 +159,7 @@ def test_honest_peers_train_on_despite_an_attacker(spawn, tmp_path, all_honest, 
 def test_a_late_joiner_never_adopts_a_bogus_donors_state(spawn, tmp_path, all_honest, attackers, refusal):
     """One donor of a bogus state far ahead: fewer than swarm.state_quorum peers vouch for it. Two (Sybil keys of one
     person, both vouching for the same bogus state and serving it, coming once the honest peers train): the quorum
-    is met, but the state is held by too few of the run's peers against the honest ones' (sync.Vouches.offers);
+    is met, but the state is held by too few of the run's peers against the honest ones' (vouches.Vouches.offers);
     neither the joiner nor an honest peer takes it."""
     attacked = run_swarm(spawn, tmp_path, ("donor", "6"), late_joiner=True, attackers=attackers)
     joined = attacked["joined"]

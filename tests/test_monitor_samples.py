@@ -25,7 +25,7 @@ from p2p_diloco.monitor_samples import StateSample, StateSampler
 from p2p_diloco.outer import OuterState
 from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import part_digests
-from p2p_diloco.swarm.sync import Vouches
+from p2p_diloco.swarm.vouches import Vouches
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,10 +1,10 @@
-"""Standing (swarm/standing.py) and what it weighs in choosing a state to download (sync.Vouches), pure."""
+"""Standing (swarm/standing.py) and what it weighs in choosing a state to download (vouches.Vouches), pure."""
 
 from __future__ import annotations
 
 from p2p_diloco.protocol import GatherPayload, RoundTag
 from p2p_diloco.swarm.standing import FRESH_WEIGHT, Standing, counted_members
-from p2p_diloco.swarm.sync import Vouches
+from p2p_diloco.swarm.vouches import Vouches
 
 T0, T1, T2, T3 = (RoundTag(r, f"{r:016x}") for r in range(4))
 BOGUS = RoundTag(10**6, "b" * 16)

@@ -18,7 +18,8 @@ from p2p_diloco.engine import Worker
 from p2p_diloco.outer import OuterState
 from p2p_diloco.protocol import RoundTag
 from p2p_diloco.state_parts import part_digests
-from p2p_diloco.swarm.sync import StateSync, Vouches
+from p2p_diloco.swarm.sync import StateSync
+from p2p_diloco.swarm.vouches import Vouches
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

@@ -60,10 +60,11 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter, azip, enter_asynchronously
 
 from p2p_diloco.protocol import Gathered, GatherPayload, split_groups
-from p2p_diloco.swarm.butterfly import Aggregation, ExactRunner
+from p2p_diloco.swarm.butterfly import ExactRunner
 from p2p_diloco.swarm.combine import RoundGroups, part_lengths, part_owners
 from p2p_diloco.swarm.identity import peer_id_of, verify
 from p2p_diloco.swarm.matchmaking import BAN_SECONDS
+from p2p_diloco.swarm.part_reducer import Aggregation
 from p2p_diloco.swarm.strikes import STRIKES_TO_BAN
 from p2p_diloco.swarm.vote import _digest
 from p2p_diloco.swarm.wire import PayloadBytes

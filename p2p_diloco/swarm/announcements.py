@@ -32,8 +32,8 @@ from p2p_diloco.protocol import RoundTag
 from p2p_diloco.swarm.dht import bounded
 from p2p_diloco.swarm.identity import signer_of
 from p2p_diloco.swarm.standing import Standing
-from p2p_diloco.swarm.sync import Vouches
 from p2p_diloco.swarm.validators import States, fingerprint_key, settings_key
+from p2p_diloco.swarm.vouches import Vouches
 
 __all__ = ["POLL_MAX", "Announcements", "averages", "poll_pause", "tags_of"]
 

@@ -4,7 +4,7 @@ Inputs:  each peer's recent tags, oldest first, the last one the state it holds 
          from the signed announcements of the live peers with our settings, ours included).
 Output:  ``lineages``: the peers grouped by lineage, with every tag their histories hold; ``canonical``: the lineage
          to keep (its peers and tags), or None when there is none (a lineage apart from every other is never kept);
-         ``connected``: the union-find both this and sync.Vouches.kin group peers with.
+         ``connected``: the union-find both this and vouches.Vouches.kin group peers with.
 State:   none.
 Failure: none: empty input gives no lineage.
 

@@ -195,7 +195,7 @@ class Membership(Readiness, Announcements):
         chosen = lineage.canonical(histories)
         if chosen is None or self.peer_id in chosen[0]:
             return None
-        # the same read, not a second one; keys, as the lineage was chosen (sync.Vouches.offers). A quorum of more keys
+        # the same read, not a second one; keys, as the lineage was chosen (Vouches.offers). A quorum of more keys
         # than the lineage holds could never be met: after a round that failed for all, 3 peers on 3 states (one each)
         # stayed apart to the end, each refusing the canonical one ("fewer than 2 peers vouch for it")
         quorum = min(self.cfg.swarm.state_quorum, len(chosen[0]))

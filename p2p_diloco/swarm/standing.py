@@ -4,7 +4,7 @@ Inputs:  ``count(peers)`` after each complete all-reduce this peer took part in 
          before the round's result is settled): ``counted_members`` of its payloads, the members other than us
          that declared tokens and that our reducer did not drop by direction.
 Output:  ``weight(peer)``: what a peer's vouch and its holding of a state weigh when this peer chooses a state to
-         download (sync.Vouches): 1 for a key we have averaged with, FRESH_WEIGHT for a stranger. ``weights``: those of
+         download (vouches.py): 1 for a key we have averaged with, FRESH_WEIGHT for a stranger. ``weights``: those of
          a read's peers; while no live peer is one we have averaged with (a newcomer, a peer that only ever trained
          alone, one whose mates all left while it was behind) every key weighs 1: we know no one there, so we can only
          count keys, as before standing existed, and a peer never stays locked out of a swarm of strangers.
