@@ -38,7 +38,7 @@ def install(attack: str, scale: float) -> None:
     import torch
 
     import p2p_diloco.engine as engine
-    import p2p_diloco.swarm.butterfly as butterfly
+    import p2p_diloco.swarm.part_reducer as part_reducer
     from p2p_diloco.outer import OuterState
     from p2p_diloco.protocol import GatherPayload, RoundTag
     from p2p_diloco.state_parts import part_digests
@@ -69,13 +69,13 @@ def install(attack: str, scale: float) -> None:
 
         PseudoGradAverager.reduce = heavy
     elif attack == "lie":
-        aggregate_counted = butterfly.aggregate_counted
+        aggregate_counted = part_reducer.aggregate_counted
 
         def lying(*args, **kwargs):  # type: ignore[no-untyped-def]
             mean, counted = aggregate_counted(*args, **kwargs)
             return -scale * mean, counted
 
-        butterfly.aggregate_counted = lying
+        part_reducer.aggregate_counted = lying
     elif attack == "hijack":
         sign = PseudoGradAverager._sign
 
