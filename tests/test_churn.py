@@ -4,7 +4,7 @@ run_peer processes on 127.0.0.1). The one-state issue (#23) found such a peer lo
 one restarted every ~22 s, it recorded no round in 4 minutes ("not downloading round 16: fewer than 2 peers vouch for
 it"). That case measured at 23fe39a: every one of its 10 lives counted, the first round 8-17 s after its start.
 
-Sizing: the peer is killed 20 s in, or once it has trained its first round if that comes later (up to 20 s more),
+Sizing: the peer is killed 20 s in, or once it has trained its first round if that comes later (up to 60 s in),
 and the run must outlast its restart by several rounds. With 3 inner steps a round, two survivors that no longer wait
 for a dead member ran ~1.4 rounds a second and finished all 40 rounds before the restart took part (CI at 9c30ae3: its
 second life counted 0; 43 s on an idle machine). 15 steps make a round ~1.7 s here, so 30 rounds leave the restart,

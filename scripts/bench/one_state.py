@@ -24,7 +24,7 @@ case, written under its name into scripts/bench/results/one_state.json (``--out`
     peak_rss_bytes        the largest sum of every process's RSS (bootstrap, peers and their children), sampled 1/s
     peak_pss_bytes        the same in PSS (shared pages split among their processes: what the machine gives)
     churn                 with ``--churn K:SECONDS:TIMES`` (peer K SIGKILLed, with its whole process group, SECONDS
-                          after each start, or later once that life printed its first round, at most 2 x SECONDS;
+                          after each start, or later once that life printed its first round, at most FIRST_ROUND s;
                           and started again with the same command, log dir and key, TIMES times; its
                           last life runs to the end): per life, its seconds, the rounds it trained, the rounds that
                           counted in a group of 2 or more, and the seconds from its start to the first that counted
@@ -69,6 +69,7 @@ TINY = "configs/tiny.yaml"
 DEFAULTS = {"peers": 6, "group": 3, "rounds": 12, "h": 10, "timeout": 900.0, "case": "default"}
 SMOKE = {"peers": 4, "group": 2, "rounds": 3, "h": 3, "timeout": 300.0, "case": "smoke"}
 COUNTED = ("apply", "catch_up")
+FIRST_ROUND = 60.0  # --churn: the longest wait for a life's first round before its kill, from its start (seconds)
 
 
 def contributed(record: dict[str, Any]) -> bool:
@@ -193,9 +194,9 @@ def run_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             index = order.index(churned)
             for _ in range(times):
                 time.sleep(max(0.0, starts[-1] + every - time.time()))
-                with contextlib.suppress(ProcessOutputError):  # not before this life's first round, up to SECONDS more:
+                with contextlib.suppress(ProcessOutputError):  # not before this life's first round (FIRST_ROUND):
                     # under load a start-up took over 25 s (CI), and a life killed before any round measures no lock-out
-                    procs[index].wait_for_line(r"^round \d+/", timeout=every)
+                    procs[index].wait_for_line(r"^round \d+/", timeout=max(0.0, starts[-1] + FIRST_ROUND - time.time()))
                 again = procs[index].args
                 procs[index].kill_group()
                 procs[index] = Proc(again, env=env)
