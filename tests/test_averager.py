@@ -424,7 +424,8 @@ def test_a_group_formed_on_the_leaders_side_only_is_met_again_in_the_next_attemp
     the vote at once, without calling the client silent (before: it waited for the client's vote until
     allreduce_timeout, and told its host the client was silent: a suspect, no longer expected)."""
     per_peer = {1: {"client_mode": True}} if client else {}
-    peers = start_swarm(spawn, 2, per_peer, drop_first_group=True, expected_members=2)  # each drops its first
+    averager = {**FAST, "max_reduce_attempts": 4}  # room for both drops and one more failed attempt (below)
+    peers = start_swarm(spawn, 2, per_peer, drop_first_group=True, expected_members=2, averager=averager)
     for peer in peers:
         peer.send("REDUCE 1.0")
     results = [peer.expect("RESULT", 100) for peer in peers]
@@ -432,8 +433,13 @@ def test_a_group_formed_on_the_leaders_side_only_is_met_again_in_the_next_attemp
     dropped = [k for k, peer in enumerate(peers) if any(line.startswith("DROPPED ") for line in peer.proc.stdout_lines)]
     assert dropped == ([1] if client else dropped) and dropped, infos  # a client is always the follower
     said = json.dumps([dropped, [{x: i.get(x) for x in ("complete", "attempts", "reason")} for i in infos]])
+    # a dropped group costs one attempt; beside busy processes one more may fail for other reasons (flaky.py --runs 20
+    # --load 2: 1 in 20 of each variant, the follower's attempt 2 refused by a leader that had not yet registered it,
+    # or a part stream cut short), and the round must still end complete, on the mean, for both
     for k, info in enumerate(infos):
-        assert info["complete"] and info["group_size"] == 2 and info["attempts"] == 1 + len(dropped), said
+        assert (
+            info["complete"] and info["group_size"] == 2 and info["attempts"] in (1 + len(dropped), 2 + len(dropped))
+        ), said
         assert_close(peers[k].result(), weighted_mean([0, 1], [1.0, 1.0]))
     for k in dropped:
         follower, leader = infos[k]["reason"], infos[1 - k]["reason"]
