@@ -141,20 +141,17 @@ def test_identity_work_is_ground_into_a_new_key_and_checked_on_an_old_one(tmp_pa
 
 def test_a_run_with_identity_work_says_what_is_wrong_with_the_key_given(tmp_path, capfd):
     """run_peer with --identity-path at a key without the run's work: exit 2, the reason named, no traceback."""
-    from peers.run_peer import main
-
     plain = next(i for i in (Identity.load(tmp_path / f"p{k}.key") for k in range(64)) if work_bits(i.peer_id) < 4)
     config = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "swarm.identity_work=4"]
-    assert main(["--identity-path", plain.path, "--log-dir", str(tmp_path / "run"), *config]) == 2
-    said = capfd.readouterr().err
+    code, _, said = _run_peer(capfd, "--identity-path", plain.path, "--log-dir", str(tmp_path / "run"), *config)
+    assert code == 2, said
     assert "swarm.identity_work=4" in said and plain.path in said and "Traceback" not in said, said
 
 
 def test_print_public_key_with_a_run_config_makes_a_key_with_its_identity_work(tmp_path, capfd):
-    from peers.run_peer import main
-
     path = tmp_path / "me.key"
     config = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "swarm.identity_work=3"]
-    assert main(["--identity-path", str(path), "--print-public-key", *config]) == 0
-    line = capfd.readouterr().out.split()
+    code, out, err = _run_peer(capfd, "--identity-path", str(path), "--print-public-key", *config)
+    assert code == 0, err
+    line = out.split()
     assert line[0] == "ssh-rsa" and work_bits(line[2]) >= 3 and Identity.load(path).peer_id == line[2]
